@@ -1,0 +1,3 @@
+from portatrain.cli import main
+
+main()

@@ -1,0 +1,298 @@
+"""Typed configuration for portatrain.
+
+Every component owns one dataclass here; :func:`register_configs` puts them in Hydra's
+ConfigStore as the schema of the YAML under ``conf/`` and ``recipes/``, so a misspelled key
+is an error instead of a silent default. :func:`validate` checks the composed config as a
+whole and raises once with every problem it found.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+
+@dataclass
+class DeviceConfig:
+    type: str = "auto"
+    """Accelerator to run on: ``auto`` (tpu -> neuron -> cuda -> cpu), ``cpu``, ``cuda``, ``tpu``, ``neuron``, ``mps``."""
+    index: int | None = None
+    """Device index; default is ``LOCAL_RANK`` under torchrun, else 0."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "llama3"
+    """Architecture family (only ``llama3`` today)."""
+    flavor: str = "debug"
+    """Named size within the family: ``debug``, ``1b``, ``3b``, ``8b``, ``70b``."""
+    vocab_size: int | None = None
+    """Override the flavour's vocabulary size (the byte tokenizer needs 258)."""
+    max_seq_len: int | None = None
+    """Override the flavour's RoPE table length."""
+    init_from: str | None = None
+    """Path to a Hugging Face Llama directory (safetensors) to initialize weights from."""
+    init_std: float = 0.02
+    """Standard deviation of the truncated-normal weight init."""
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "builtin"
+    """``builtin`` (the bundled generated corpus) or a path to a ``.txt``/``.jsonl`` file of documents."""
+    tokenizer: str = "byte"
+    """Tokenizer name; ``byte`` needs no download."""
+    seq_len: int = 256
+    """Row length for ``packing`` and ``pad_to_max``."""
+    batch_size: int = 8
+    """Micro-batch size per rank (rows per step per rank, before gradient accumulation)."""
+    collator: str = "packing"
+    """``packing`` (documents packed into fixed rows, document-aware masks), ``bucket`` (pad to the
+    smallest fitting bucket) or ``pad_to_max`` (pad every batch to ``seq_len``)."""
+    buckets: list[int] = field(default_factory=lambda: [64, 128, 256])
+    """Sequence-length buckets for ``collator=bucket``, ascending."""
+    overlong: str = "split"
+    """What to do with a document longer than the largest bucket/``seq_len``: ``truncate``, ``split``, ``error``."""
+    last_batch: str = "drop"
+    """Last partial batch: ``drop`` it or ``pad`` it with fully-masked rows to the static batch size."""
+    sampler: str = "length_grouped"
+    """``length_grouped`` (shuffled, grouped by length to cut padding), ``random`` or ``sequential``."""
+    group_size_multiplier: int = 50
+    """Length-grouped sampler: sort windows of ``batch_size * multiplier`` documents by length."""
+    num_workers: int = 0
+    """DataLoader worker processes."""
+    eval_fraction: float = 0.05
+    """Fraction of documents held out for evaluation."""
+    num_documents: int = 4000
+    """Number of documents the built-in corpus generates."""
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    warmup_steps: int = 20
+    """Linear warm-up from 0 to ``lr``."""
+    decay: str = "cosine"
+    """Decay after warm-up: ``cosine``, ``linear`` or ``constant``."""
+    min_lr_ratio: float = 0.1
+    """Floor of the decay as a fraction of ``lr``."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 disables clipping."""
+    fused: bool | None = None
+    """Use the fused AdamW kernel; default: the accelerator adapter decides."""
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 300
+    """Optimizer steps to train for."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    eval_every: int = 100
+    """Evaluate every N steps (0 disables); also at the end."""
+    eval_batches: int = 8
+    log_every: int = 10
+    seed: int = 1234
+    deterministic: bool = False
+    """Ask torch for deterministic algorithms (slower)."""
+    dtype: str = "auto"
+    """Compute precision: ``auto`` (the accelerator's default: bf16 on accelerators, fp32 on CPU),
+    ``float32`` or ``bfloat16``."""
+    progress: bool = True
+    """Show a live progress bar (rank 0 only)."""
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    """Data-parallel replicas (HSDP replicate dimension)."""
+    dp_shard: int = -1
+    """FSDP shard dimension; -1 infers it from the world size."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    activation_checkpointing: str = "none"
+    """``none``, ``full`` or ``selective``."""
+    param_dtype: str | None = None
+    """FSDP2 MixedPrecisionPolicy parameter dtype; default bf16 on accelerators, fp32 on CPU."""
+    reduce_dtype: str = "float32"
+    """FSDP2 gradient reduction dtype."""
+
+
+@dataclass
+class CompileConfig:
+    enabled: bool = False
+    """Apply ``torch.compile`` per transformer block with the accelerator's compiler."""
+    backend: str | None = None
+    """Override the adapter's compile backend."""
+    dynamic: bool | None = None
+    """Dynamic shapes; default: False where the backend wants static shapes."""
+    warmup: bool = False
+    """Compile every bucket shape before step 1 and report per-bucket cold-start time."""
+    on_recompile: str = "error"
+    """After warm-up, an unexpected recompile ``error``s or ``warn``s."""
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = True
+    every: int = 0
+    """Save every N steps (0: only at the end)."""
+    keep: int = 3
+    """Keep the last K complete checkpoints."""
+    resume: str = "none"
+    """``none``, ``auto`` (newest complete checkpoint in the run dir) or a checkpoint path."""
+    final: bool = True
+    """Save at the end of training."""
+
+
+@dataclass
+class MetricsConfig:
+    jsonl: bool = True
+    tensorboard: bool = False
+    peak_tflops: float | None = None
+    """Override the peak-FLOPs table for MFU (TFLOP/s per device)."""
+
+
+@dataclass
+class ProfileConfig:
+    enabled: bool = False
+    start_step: int = 5
+    steps: int = 3
+
+
+@dataclass
+class BenchConfig:
+    warmup_steps: int = 10
+    steps: int = 100
+    price_per_hour: float | None = None
+    """Hourly instance price (USD) for cost per million tokens."""
+
+
+@dataclass
+class KernelsConfig:
+    enabled: list[str] = field(default_factory=list)
+    """Kernel overrides to apply, by name (opt-in)."""
+
+
+@dataclass
+class Config:
+    recipe: str = MISSING
+    """Name of the recipe this config came from (set by the recipe file)."""
+    run_dir: str | None = None
+    """Where the resolved config, metrics and checkpoints go (written once per job, by rank 0).
+    Default: Hydra's run directory, ``runs/<recipe>/<run id>``."""
+    dry_run: bool = False
+    """Build the model on meta, print parameter count and memory estimate, and exit."""
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+
+
+def run_id() -> str:
+    """A run name every rank of one job agrees on.
+
+    ``PORTATRAIN_RUN_ID`` if set, else torchrun's rendezvous id (shared by all ranks and kept
+    across elastic restarts, so ``checkpoint.resume=auto`` finds the same directory), else a
+    timestamp for a single process. Never a per-rank ``${now:}``.
+    """
+    rid = os.environ.get("PORTATRAIN_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+    if rid and rid != "none":
+        return rid
+    if "RANK" in os.environ:  # distributed without a rendezvous id: one fixed name for all ranks
+        return "job"
+    return _STARTED_AT
+
+
+_STARTED_AT = time.strftime("%Y%m%d-%H%M%S")
+
+
+def register_configs() -> None:
+    """Register the typed schema as ``base_config`` and the ``portatrain_run_id`` resolver."""
+    if not OmegaConf.has_resolver("portatrain_run_id"):
+        OmegaConf.register_new_resolver("portatrain_run_id", run_id)
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+
+
+_CHOICES = {
+    "device.type": ("auto", "cpu", "cuda", "tpu", "neuron", "mps"),
+    "data.collator": ("packing", "bucket", "pad_to_max"),
+    "data.overlong": ("truncate", "split", "error"),
+    "data.last_batch": ("drop", "pad"),
+    "data.sampler": ("length_grouped", "random", "sequential"),
+    "optim.decay": ("cosine", "linear", "constant"),
+    "trainer.dtype": ("auto", "float32", "bfloat16"),
+    "parallel.activation_checkpointing": ("none", "full", "selective"),
+    "compile.on_recompile": ("error", "warn"),
+}
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message lists every problem with its fix."""
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def validate(cfg: Any) -> None:
+    """Check a composed config as a whole; raise :class:`ConfigError` listing every problem."""
+    problems: list[str] = []
+    for key, choices in _CHOICES.items():
+        value = _get(cfg, key)
+        if value not in choices:
+            problems.append(f"{key}={value!r} is not one of {', '.join(choices)}")
+    from portatrain.models import FLAVORS  # local: config must stay importable without torch cost
+
+    family = FLAVORS.get(cfg.model.name)
+    if family is None:
+        problems.append(f"model.name={cfg.model.name!r} is unknown; choose one of {', '.join(FLAVORS)}")
+    elif cfg.model.flavor not in family:
+        problems.append(
+            f"model.flavor={cfg.model.flavor!r} is unknown for {cfg.model.name}; "
+            f"choose one of {', '.join(family)}"
+        )
+    buckets = list(cfg.data.buckets)
+    if not buckets or buckets != sorted(set(buckets)) or buckets[0] <= 0:
+        problems.append(
+            f"data.buckets={buckets} must be a non-empty, strictly ascending list of positive lengths"
+        )
+    for key in (
+        "data.seq_len",
+        "data.batch_size",
+        "trainer.steps",
+        "trainer.grad_accum",
+        "trainer.log_every",
+    ):
+        if _get(cfg, key) <= 0:
+            problems.append(f"{key}={_get(cfg, key)} must be positive")
+    if not 0.0 <= cfg.data.eval_fraction < 1.0:
+        problems.append(f"data.eval_fraction={cfg.data.eval_fraction} must be in [0, 1)")
+    if cfg.optim.warmup_steps < 0 or cfg.optim.lr <= 0:
+        problems.append(
+            f"optim.lr={cfg.optim.lr} must be > 0 and optim.warmup_steps={cfg.optim.warmup_steps} >= 0"
+        )
+    if len(cfg.optim.betas) != 2:
+        problems.append(f"optim.betas={list(cfg.optim.betas)} must have two values, e.g. [0.9, 0.95]")
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

@@ -1,0 +1,1 @@
+"""Data: documents -> token ids -> length-grouped sampler -> static-shape collator -> stateful loader."""

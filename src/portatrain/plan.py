@@ -1,0 +1,67 @@
+"""``dry_run=true``: build the model on the meta device and report its size and per-device memory.
+
+Nothing is allocated: the model exists only as shapes, and the memory figures come from
+:func:`portatrain.models.memory.estimate_memory` for the configured precision and layout.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from portatrain.accelerators import ACCELERATORS, resolve_accelerator
+from portatrain.models import build_model, model_args
+from portatrain.models.memory import estimate_memory, format_memory_report
+
+
+def _training_dtype(cfg: Any) -> torch.dtype:
+    """The precision a real run would use. An explicitly named device is not probed: a plan for
+    Trainium can be made on a laptop."""
+    if cfg.trainer.dtype != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.trainer.dtype]
+    if cfg.device.type == "auto":
+        return resolve_accelerator("auto").default_dtype
+    return ACCELERATORS[cfg.device.type].default_dtype
+
+
+def describe_plan(cfg: Any) -> str:
+    args = model_args(cfg.model)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert n_params == args.num_params(), (n_params, args.num_params())
+
+    par = cfg.parallel
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    dp_shard = par.dp_shard if par.dp_shard > 0 else max(1, world // (par.dp_replicate * par.tp))
+    dtype = _training_dtype(cfg)
+    mixed = dtype == torch.bfloat16
+    # FSDP2 mixed precision keeps fp32 sharded parameters, gradients and AdamW moments and
+    # computes (all-gathers, activations) in bf16.
+    estimate = estimate_memory(
+        args,
+        batch_size=cfg.data.batch_size,
+        seq_len=cfg.data.seq_len,
+        param_dtype_bytes=4,
+        grad_dtype_bytes=4,
+        optim_state_bytes_per_param=8,
+        shard_degree=dp_shard,
+        tp_degree=par.tp,
+        activation_checkpointing=par.activation_checkpointing,
+        activation_dtype_bytes=2 if mixed else 4,
+    )
+    layout = f"dp_replicate={par.dp_replicate} x dp_shard={dp_shard} x tp={par.tp}"
+    lines = [
+        f"recipe {cfg.recipe}: {cfg.model.name} {cfg.model.flavor}",
+        f"parameters: {n_params:,} ({n_params / 1e9:.2f}B), built on meta, nothing allocated",
+        f"precision: {'bf16 compute, fp32 master weights/grads/optimizer' if mixed else 'fp32'}",
+        f"layout: {layout} = {par.dp_replicate * dp_shard * par.tp} devices; "
+        f"micro-batch {cfg.data.batch_size} x {cfg.data.seq_len} tokens per device; "
+        f"activation checkpointing {par.activation_checkpointing}",
+        f"training FLOPs per token: {args.flops_per_token(cfg.data.seq_len) / 1e9:.2f} GFLOP",
+        "",
+        format_memory_report(estimate, title="estimated memory per device"),
+    ]
+    return "\n".join(lines)
