@@ -34,5 +34,7 @@ class CPUAccelerator(Accelerator):
             with open("/proc/self/statm") as f:
                 stats["rss"] = int(f.read().split()[1]) * resource.getpagesize()
         except OSError:
-            pass
+            return stats
+        # ru_maxrss is sampled by the kernel and can trail the live RSS by a few pages.
+        stats["peak_rss"] = max(stats["peak_rss"], stats["rss"])
         return stats

@@ -1,0 +1,85 @@
+"""Accelerator discovery and adapters, with fake vendor packages standing in for absent hardware."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from portatrain.accelerators import ACCELERATORS, AUTO_ORDER, DeviceUnavailableError, resolve_accelerator
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run_with_fake_vendor(tmp_path: Path, module: str, body: str, code: str) -> subprocess.CompletedProcess:
+    pkg = tmp_path / module
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(body)
+    env = {"PYTHONPATH": f"{tmp_path}:{ROOT / 'src'}", "PATH": "/usr/bin:/bin"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_auto_order_and_registry() -> None:
+    assert AUTO_ORDER == ("tpu", "neuron", "cuda", "cpu")
+    assert set(ACCELERATORS) == {"cpu", "cuda", "tpu", "neuron", "mps"}
+
+
+def test_auto_picks_cpu_here_and_probes_it() -> None:
+    acc = resolve_accelerator("auto")
+    assert acc.name == "cpu" and acc.device == torch.device("cpu")
+    assert acc.dist_backend == "gloo" and acc.compile_backend == "inductor"
+    assert acc.default_dtype == torch.float32
+
+
+def test_cpu_memory_stats_report_rss() -> None:
+    stats = resolve_accelerator("cpu").memory_stats()
+    assert stats["peak_rss"] >= stats["rss"] > 10 * 2**20
+
+
+def test_unknown_device_names_the_choices() -> None:
+    with pytest.raises(DeviceUnavailableError, match=r"device='gpu' is not a known device; choose one of auto, cpu"):
+        resolve_accelerator("gpu")
+
+
+@pytest.mark.parametrize(("name", "module"), [("tpu", "torch_tpu"), ("neuron", "torch_neuronx")])
+def test_explicit_vendor_device_missing(name: str, module: str) -> None:
+    with pytest.raises(DeviceUnavailableError) as err:
+        resolve_accelerator(name)
+    message = str(err.value)
+    assert f"device={name} was requested" in message and module in message and "Fix:" in message
+
+
+def test_broken_vendor_package_is_reported_and_skipped_by_auto(tmp_path: Path) -> None:
+    """A vendor stack that is installed but fails to import: explicit request explains, auto moves on."""
+    code = """
+from portatrain.accelerators import resolve_accelerator, DeviceUnavailableError
+print("AUTO", resolve_accelerator("auto").name)
+try:
+    resolve_accelerator("neuron")
+except DeviceUnavailableError as e:
+    print("ERR", e)
+"""
+    out = _run_with_fake_vendor(tmp_path, "torch_neuronx", "raise RuntimeError('libnrt.so not found')\n", code)
+    assert out.returncode == 0, out.stderr
+    assert "AUTO cpu" in out.stdout
+    assert "importing torch_neuronx failed: RuntimeError: libnrt.so not found" in out.stdout
+
+
+def test_vendor_that_imports_but_has_no_device_fails_the_probe(tmp_path: Path) -> None:
+    """torch_tpu imports fine but no `tpu` device is registered with torch: no silent CPU fallback."""
+    code = """
+from portatrain.accelerators import resolve_accelerator, DeviceUnavailableError
+import sys
+try:
+    resolve_accelerator("tpu")
+except DeviceUnavailableError as e:
+    print("ERR", e)
+print("IMPORTED", "torch_tpu" in sys.modules)
+"""
+    out = _run_with_fake_vendor(tmp_path, "torch_tpu", "", code)
+    assert out.returncode == 0, out.stderr
+    assert "ERR device=tpu was requested but cannot be used" in out.stdout
+    assert "IMPORTED True" in out.stdout
