@@ -1,0 +1,176 @@
+"""Per-device training memory estimate for a Llama model, for the dry run and for planning.
+
+:func:`estimate_memory` counts, in bytes per device:
+
+* ``params``, ``grads``, ``optimizer`` -- the persistent state, divided over ``shard_degree * tp_degree``
+  ranks. FSDP2 pads each parameter's dim 0 to a multiple of the shard degree; that padding is ignored.
+* ``fsdp_buffers`` -- transient unsharded copies FSDP keeps while it computes: the current unit's
+  and the prefetched next unit's all-gathered parameters, plus one unit's unsharded gradients before
+  the reduce-scatter. A unit is one transformer block, or the embedding / output projection if larger.
+* ``activations`` -- tensors saved for backward (formula below) plus the logits.
+
+It does not count the CUDA/XLA caching allocator's fragmentation, framework workspaces, the data
+batch or a packed attention mask (``B * S * S`` bytes), nor the gradient of the logits during
+backward; leave 10-20% headroom.
+
+Activations saved for backward, per token and layer, in elements of the activation dtype
+(``h`` = dim, ``f`` = SwiGLU width, ``a`` = query heads), counted from this repo's ``model.py``:
+
+=========================================  =========  ===========================================
+saved tensor                               elements   saved by
+=========================================  =========  ===========================================
+block input                                h          input RMSNorm
+normalized input                           h          q/k/v projections (one tensor for all three)
+q after RoPE                               h          SDPA
+k, v after the GQA repeat                  2h         SDPA (heads are repeated before the call)
+attention output                           h          SDPA and ``o_proj`` (a view of the same data)
+attention residual sum                     h          post-attention RMSNorm
+normalized MLP input                       h          gate/up projections
+gate, up, silu(gate), silu(gate) * up      4f         SiLU, product, ``down_proj``
+=========================================  =========  ===========================================
+
+That is ``8h + 4f`` elements plus two fp32 RMSNorm statistics and ``a`` fp32 softmax
+log-sum-exps per token (a fused attention kernel is assumed: no ``S x S`` score matrix is kept).
+Compare Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+``s*b*h*(34 + 5*a*s/h)`` bytes per layer for GPT in fp16 with dropout: that count's MLP has
+``f = 4h`` and no gate, and its ``5*a*s/h`` term is the materialized softmax and dropout that fused
+kernels avoid.
+
+``activation_checkpointing``:
+
+* ``none`` -- every layer keeps the table above.
+* ``full`` -- each block keeps only its input (``h``); one block at a time is recomputed in
+  backward and holds the full table meanwhile.
+* ``selective`` -- torchtitan's op-level policy: keep the attention output (and log-sum-exp) and
+  every second matmul output, recompute norms, pointwise ops and the other matmuls. Estimated as
+  block input + attention output + half of the matmul outputs (``q, k, v, o, gate, up, down`` =
+  ``3h + 2*kv + 2f`` with ``kv = n_kv_heads * head_dim``), plus one block's recomputation peak.
+
+After the last block: final-norm input and output (``2h``), the logits (``V``) in the activation
+dtype and fp32 log-probabilities for the loss (``V``, 4 bytes).
+
+Tensor parallelism is assumed to come with sequence parallelism and a vocabulary-parallel loss
+(torchtitan's plan), so activations and logits are divided by ``tp_degree`` too.
+"""
+
+from __future__ import annotations
+
+from portatrain.models.llama.model import LlamaArgs
+
+_CHECKPOINTING = ("none", "full", "selective")
+_GIB = 1024**3
+
+
+def estimate_memory(
+    args: LlamaArgs,
+    *,
+    batch_size: int,
+    seq_len: int,
+    param_dtype_bytes: int = 4,
+    grad_dtype_bytes: int | None = None,
+    optim_state_bytes_per_param: int = 8,
+    shard_degree: int = 1,
+    tp_degree: int = 1,
+    activation_checkpointing: str = "none",
+    activation_dtype_bytes: int | None = None,
+) -> dict[str, int]:
+    """Estimated bytes per device for training ``args`` with one micro-batch in flight.
+
+    Args:
+        args: the model architecture.
+        batch_size: micro-batch rows per device.
+        seq_len: tokens per row.
+        param_dtype_bytes: bytes per stored parameter (4 fp32, 2 bf16).
+        grad_dtype_bytes: bytes per gradient element; default ``param_dtype_bytes``.
+        optim_state_bytes_per_param: AdamW keeps two fp32 moments (8); add 4 for an fp32 master
+            copy when the stored parameters are bf16 (12).
+        shard_degree: FSDP shard degree (``dp_shard``); replicas (``dp_replicate``) do not divide memory.
+        tp_degree: tensor-parallel degree.
+        activation_checkpointing: ``none``, ``full`` or ``selective`` (see module docstring).
+        activation_dtype_bytes: bytes per activation element and per all-gathered FSDP parameter
+            (the compute dtype, e.g. 2 under bf16 mixed precision); default ``param_dtype_bytes``.
+
+    Returns:
+        ``params``, ``grads``, ``optimizer``, ``fsdp_buffers``, ``activations`` and ``total``, in bytes.
+    """
+    grad_dtype_bytes = param_dtype_bytes if grad_dtype_bytes is None else grad_dtype_bytes
+    act_bytes = param_dtype_bytes if activation_dtype_bytes is None else activation_dtype_bytes
+
+    problems = []
+    for name, value in (
+        ("batch_size", batch_size),
+        ("seq_len", seq_len),
+        ("param_dtype_bytes", param_dtype_bytes),
+        ("grad_dtype_bytes", grad_dtype_bytes),
+        ("activation_dtype_bytes", act_bytes),
+        ("shard_degree", shard_degree),
+        ("tp_degree", tp_degree),
+    ):
+        if value <= 0:
+            problems.append(f"{name}={value} must be positive")
+    if optim_state_bytes_per_param < 0:
+        problems.append(f"optim_state_bytes_per_param={optim_state_bytes_per_param} must be >= 0")
+    if activation_checkpointing not in _CHECKPOINTING:
+        problems.append(
+            f"activation_checkpointing={activation_checkpointing!r} is not one of {', '.join(_CHECKPOINTING)}"
+        )
+    if tp_degree > 0 and (args.n_heads % tp_degree or args.n_kv_heads % tp_degree):
+        problems.append(
+            f"tp_degree={tp_degree} must divide n_heads={args.n_heads} and n_kv_heads={args.n_kv_heads}; "
+            f"choose a tp degree that divides {args.n_kv_heads}"
+        )
+    if problems:
+        raise ValueError("cannot estimate memory:\n  - " + "\n  - ".join(problems))
+
+    n_params = args.num_params()
+    ranks = shard_degree * tp_degree
+    params = _ceil_div(n_params * param_dtype_bytes, ranks)
+    grads = _ceil_div(n_params * grad_dtype_bytes, ranks)
+    optimizer = _ceil_div(n_params * optim_state_bytes_per_param, ranks)
+
+    fsdp_buffers = 0
+    if shard_degree > 1:
+        unit = max(args.block_params, args.vocab_size * args.dim)
+        fsdp_buffers = _ceil_div(unit * (2 * act_bytes + grad_dtype_bytes), tp_degree)
+
+    h, f, a = args.dim, args.ffn_dim, args.n_heads
+    kv = args.n_kv_heads * args.head_dim
+    per_token_layer = (8 * h + 4 * f) * act_bytes + (a + 2) * 4  # the table + fp32 lse and norm stats
+    if activation_checkpointing == "none":
+        per_token_blocks = args.n_layers * per_token_layer
+    elif activation_checkpointing == "full":
+        per_token_blocks = args.n_layers * h * act_bytes + per_token_layer
+    else:  # selective
+        kept = (h + h + (3 * h + 2 * kv + 2 * f) // 2) * act_bytes + a * 4
+        per_token_blocks = args.n_layers * kept + per_token_layer
+    per_token_head = (2 * h + args.vocab_size) * act_bytes + args.vocab_size * 4
+    tokens = batch_size * seq_len
+    activations = _ceil_div(tokens * (per_token_blocks + per_token_head), tp_degree)
+
+    estimate = {
+        "params": params,
+        "grads": grads,
+        "optimizer": optimizer,
+        "fsdp_buffers": fsdp_buffers,
+        "activations": activations,
+    }
+    estimate["total"] = sum(estimate.values())
+    return estimate
+
+
+def format_memory_report(estimate: dict[str, int], *, title: str | None = None) -> str:
+    """A fixed-width table of an :func:`estimate_memory` result, in GiB and share of the total."""
+    total = estimate["total"]
+    lines = [title] if title else []
+    lines.append(f"{'component':<14}{'GiB':>10}{'share':>8}")
+    for name, value in estimate.items():
+        if name == "total":
+            continue
+        share = value / total if total else 0.0
+        lines.append(f"{name:<14}{value / _GIB:>10.2f}{share:>8.1%}")
+    lines.append(f"{'total':<14}{total / _GIB:>10.2f}{'':>8}")
+    return "\n".join(lines)
+
+
+def _ceil_div(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
