@@ -272,6 +272,14 @@ def validate(cfg: Any) -> None:
             f"model.flavor={cfg.model.flavor!r} is unknown for {cfg.model.name}; "
             f"choose one of {', '.join(family)}"
         )
+    else:
+        max_seq_len = cfg.model.max_seq_len or family[cfg.model.flavor].max_seq_len
+        longest = max(cfg.data.buckets) if cfg.data.collator == "bucket" else cfg.data.seq_len
+        if longest > max_seq_len:
+            problems.append(
+                f"the longest row ({longest} positions, from data.{'buckets' if cfg.data.collator == 'bucket' else 'seq_len'}) "
+                f"exceeds the model's RoPE table ({max_seq_len}); set model.max_seq_len>={longest} or shorten the data"
+            )
     buckets = list(cfg.data.buckets)
     if not buckets or buckets != sorted(set(buckets)) or buckets[0] <= 0:
         problems.append(
