@@ -63,3 +63,8 @@ def test_sequence_longer_than_rope_table() -> None:
 def test_recipes_dir_is_the_recipe_group() -> None:
     assert (ROOT / "conf" / "recipe").resolve() == (ROOT / "recipes").resolve()
     assert Path(ROOT / "conf" / "recipe" / "debug.yaml").is_file()
+
+
+def test_unknown_kernel_is_rejected() -> None:
+    with pytest.raises(ConfigError, match=r"unknown kernel\(s\) \['flash_attn'\]"):
+        validate(compose_config(["kernels.enabled=[flash_attn]"]))

@@ -245,6 +245,10 @@ _CHOICES = {
 }
 
 
+KNOWN_KERNELS: tuple[str, ...] = ()
+"""Kernel overrides that ``kernels.enabled`` may name (see ``kernels/README.md``)."""
+
+
 class ConfigError(ValueError):
     """A config that cannot run; the message lists every problem with its fix."""
 
@@ -302,5 +306,11 @@ def validate(cfg: Any) -> None:
         )
     if len(cfg.optim.betas) != 2:
         problems.append(f"optim.betas={list(cfg.optim.betas)} must have two values, e.g. [0.9, 0.95]")
+    unknown_kernels = [k for k in cfg.kernels.enabled if k not in KNOWN_KERNELS]
+    if unknown_kernels:
+        problems.append(
+            f"kernels.enabled={list(cfg.kernels.enabled)}: unknown kernel(s) {unknown_kernels}; "
+            f"available: {', '.join(KNOWN_KERNELS) or 'none yet'} (see kernels/README.md)"
+        )
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
