@@ -6,7 +6,6 @@ Nothing is allocated: the model exists only as shapes, and the memory figures co
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -14,6 +13,7 @@ import torch
 from portatrain.accelerators import ACCELERATORS, resolve_accelerator
 from portatrain.models import build_model, model_args
 from portatrain.models.memory import estimate_memory, format_memory_report
+from portatrain.parallel.parallel_dims import ParallelDims, expected_world_size
 
 
 def _training_dtype(cfg: Any) -> torch.dtype:
@@ -34,8 +34,9 @@ def describe_plan(cfg: Any) -> str:
     assert n_params == args.num_params(), (n_params, args.num_params())
 
     par = cfg.parallel
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    dp_shard = par.dp_shard if par.dp_shard > 0 else max(1, world // (par.dp_replicate * par.tp))
+    # Planned for the world the layout names (dp_shard=8 tp=8: 64 devices), nothing launched.
+    dims = ParallelDims.from_config(par, world_size=expected_world_size(cfg))
+    dp_shard = dims.dp_shard
     dtype = _training_dtype(cfg)
     mixed = dtype == torch.bfloat16
     # FSDP2 mixed precision keeps fp32 sharded parameters, gradients and AdamW moments and
@@ -52,12 +53,12 @@ def describe_plan(cfg: Any) -> str:
         activation_checkpointing=par.activation_checkpointing,
         activation_dtype_bytes=2 if mixed else 4,
     )
-    layout = f"dp_replicate={par.dp_replicate} x dp_shard={dp_shard} x tp={par.tp}"
+    layout = dims.describe()
     lines = [
         f"recipe {cfg.recipe}: {cfg.model.name} {cfg.model.flavor}",
         f"parameters: {n_params:,} ({n_params / 1e9:.2f}B), built on meta, nothing allocated",
         f"precision: {'bf16 compute, fp32 master weights/grads/optimizer' if mixed else 'fp32'}",
-        f"layout: {layout} = {par.dp_replicate * dp_shard * par.tp} devices; "
+        f"layout: {layout}; "
         f"micro-batch {cfg.data.batch_size} x {cfg.data.seq_len} tokens per device; "
         f"activation checkpointing {par.activation_checkpointing}",
         f"training FLOPs per token: {args.flops_per_token(cfg.data.seq_len) / 1e9:.2f} GFLOP",

@@ -1,0 +1,188 @@
+"""Parallelize a (meta-device) Llama: tensor parallel -> activation checkpointing -> compile -> FSDP2.
+
+The order matters and is torchtitan's:
+
+1. **Tensor parallel** first, because it replaces parameters by DTensors on the ``tp`` mesh and
+   installs the input/output redistributions the later wrappers must see as part of the block.
+2. **Activation checkpointing** wraps each block (with its TP hooks inside it).
+3. **Compile** each (wrapped) block, so one graph serves every layer.
+4. **FSDP2** ``fully_shard`` last, per block and at the root, sharding the (possibly TP-sharded)
+   parameters over the data-parallel mesh; its all-gathers and reduce-scatters stay outside the
+   compiled graphs.
+
+``model.py`` knows nothing of any of this. Attention reads its head count from the projected width
+(``view(..., -1, head_dim)``), so column-sharded q/k/v projections give each rank
+``n_heads / tp`` query and ``n_kv_heads / tp`` key/value heads with no change to the model; rank r
+holds query heads ``[r*n_heads/tp, (r+1)*n_heads/tp)`` and exactly the kv heads they read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from portatrain.models.llama.model import Llama
+from portatrain.parallel.activation_checkpoint import apply_activation_checkpointing
+from portatrain.parallel.parallel_dims import ParallelDims
+
+
+def parallelize_llama(
+    model: Llama,
+    parallel_dims: ParallelDims,
+    *,
+    activation_checkpointing: str = "none",
+    compile_cfg: Any = None,
+    accelerator: Any = None,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> Llama:
+    """Apply the parallel plan in place and return the model.
+
+    Args:
+        model: a :class:`Llama`, preferably on the meta device (nothing is allocated here).
+        parallel_dims: the layout, with its mesh built (``build_mesh``) when more than one rank runs.
+        activation_checkpointing: ``none``, ``full`` or ``selective`` (see
+            ``portatrain.parallel.activation_checkpoint``).
+        compile_cfg: the ``compile`` config; when enabled, blocks are compiled by
+            ``portatrain.compile.compile_blocks`` between checkpointing and FSDP.
+        accelerator: the accelerator adapter (its compile backend), passed to the compile step.
+        param_dtype: FSDP2 all-gathers parameters in this dtype and computes in it (bf16 on
+            accelerators; fp32 on CPU). The sharded master parameters stay fp32.
+        reduce_dtype: FSDP2 reduce-scatters gradients in this dtype (fp32 by default).
+    """
+    if parallel_dims.tp_enabled:
+        apply_tp(model, parallel_dims.tp_mesh)
+    apply_activation_checkpointing(model.layers, activation_checkpointing)
+    if compile_cfg is not None and compile_cfg.enabled:
+        from portatrain.compile import compile_blocks  # owned by the compile stage
+
+        compile_blocks(model, accelerator, compile_cfg)
+        if parallel_dims.tp_enabled:
+            _detach_view_from_compiled_blocks(model)
+    if parallel_dims.fsdp_enabled:
+        apply_fsdp(model, parallel_dims.fsdp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    return model
+
+
+def apply_tp(model: Llama, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style tensor parallel with sequence parallel in between.
+
+    Inside a block, q/k/v and gate/up are column-parallel (each rank computes its heads / its slice
+    of the SwiGLU width) and o/down row-parallel (partial sums), so attention and the MLP each need
+    one collective forward and one backward. Between them the residual stream is sharded over the
+    sequence (``Shard(1)``): the norms run on ``S / tp`` positions, and the row-parallel outputs are
+    reduce-scattered instead of all-reduced (same bytes, 1/tp of the norm work and activation memory).
+
+    The embedding is row-parallel over the vocabulary (each rank looks up the ids it owns, zeros the
+    rest; the reduce-scatter sums them into sequence shards). The output projection is
+    column-parallel over the vocabulary and its logits are all-gathered (``Replicate``), so the
+    trainer's ``compute_loss`` hook -- and any research override of it -- sees a plain, full tensor.
+    (torchtitan's vocabulary-parallel loss keeps them sharded and saves ``(tp-1)/tp`` of the logits'
+    memory, at the price of a loss hook that must handle DTensors; not done here.)
+
+    Sequence parallel needs every row length to be a multiple of ``tp`` (validated with the config).
+    """
+    if model.lm_head is None:
+        raise ValueError(
+            "tensor parallel of a tied output projection is not supported; set parallel.tp=1 "
+            "(FSDP still shards the shared matrix)"
+        )
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
+    for block in model.layers.values():
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "input_layernorm": SequenceParallel(),
+                # forward(x, cos, sin, attn_mask): gather x over the sequence; RoPE tables and the
+                # mask are plain, full-length tensors already.
+                "self_attn": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None, None),
+                    desired_input_layouts=(Replicate(), None, None, None),
+                ),
+                "self_attn.q_proj": ColwiseParallel(),
+                "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(),
+                "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+                "post_attention_layernorm": SequenceParallel(),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )
+
+
+def _detach_view_from_compiled_blocks(model: Llama) -> None:
+    """Give the first compiled block a fresh tensor, not the view ``to_local()`` returns.
+
+    Under TP the embedding's output leaves DTensor land through ``to_local()``, which returns a
+    *view* of the local shard. A compiled block taking that view as input (torch 2.13, inductor
+    and aot_eager alike) routes its input gradient around the view's autograd node, and the
+    embedding's redistribution then receives a plain tensor in backward:
+    ``AttributeError: 'Tensor' object has no attribute '_local_tensor'``. Copying the embedding
+    output (one ``[B, S/tp, dim]`` activation per step) sidesteps it; eager blocks do not need it.
+    """
+    model.embed_tokens.register_forward_hook(lambda module, args, output: output.clone())
+
+
+def apply_fsdp(
+    model: Llama,
+    fsdp_mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> None:
+    """``fully_shard`` each block, the embedding and the output head, then the root.
+
+    A 1-D ``fsdp_mesh`` is FSDP; a 2-D ``(dp_replicate, dp_shard)`` mesh is HSDP (shard within a
+    replica group, all-reduce across groups). Units: every block; the embedding on its own (freed
+    right after the lookup, not held for the whole forward); the final norm with the output head,
+    not resharded after forward because backward needs them at once; the root takes whatever is
+    left (the embedding too when it is tied to the output, since the root's forward reads it).
+
+    Gradient division is turned off: the trainer already divides every rank's loss by the number of
+    target tokens in the whole global step, so the plain sum FSDP then reduces is the single-device
+    gradient of the global batch. FSDP's default mean over ranks would divide it again by ``dp``.
+    """
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    config: dict[str, Any] = {"mesh": fsdp_mesh, "mp_policy": mp_policy}
+    tied = model.lm_head is None
+    if not tied:
+        fully_shard(model.embed_tokens, **config)
+    for block in model.layers.values():
+        fully_shard(block, **config)
+    if not tied:
+        fully_shard([model.norm, model.lm_head], **config, reshard_after_forward=False)
+    fully_shard(model, **config)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # A factor of 1 needs no pre-multiplied sum: plain SUM collectives (the only kind gloo
+            # has, and NCCL's zero-copy kind).
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to the model's root."""
+    return isinstance(model, FSDPModule)

@@ -1,0 +1,268 @@
+"""The parallel layout of a job and the named ``DeviceMesh`` built from it.
+
+What this file does:
+
+* :class:`ParallelDims` -- the degrees ``dp_replicate x dp_shard x tp`` resolved against a world size
+  (``dp_shard=-1`` takes whatever the other degrees leave), checked before anything is built: every
+  problem is reported at once, with the numbers and the fix, as a :class:`~portatrain.config.ConfigError`.
+* :meth:`ParallelDims.build_mesh` -- one 3-D mesh ``("dp_replicate", "dp_shard", "tp")`` on the
+  accelerator's device type, plus the flattened ``"dp"`` dimension (``dp_replicate * dp_shard``
+  ranks that see different data) used by the data loader and the loss/metric all-reduces.
+* :func:`expected_world_size` -- how many processes a config will run with, for validation before
+  launch (under torchrun: ``WORLD_SIZE``; otherwise the job shape in ``parallel.launch``; for a dry run
+  with an explicit ``dp_shard``: the product of the degrees, so a 64-device plan needs no 64 processes).
+
+Rank order is row-major over ``(dp_replicate, dp_shard, tp)``: tp is the fastest-varying dimension,
+so a tp group is ``tp`` consecutive ranks -- on one host when ``tp <= procs_per_node``, where
+tensor-parallel traffic (two collectives per block, forward and backward) stays on the fast links.
+
+Importing this module is cheap: ``torch.distributed`` is imported only by :meth:`build_mesh`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from portatrain.config import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass
+class ParallelDims:
+    """Parallel degrees of one job; ``dp_shard=-1`` is resolved from ``world_size``.
+
+    Construction validates (raises :class:`ConfigError` listing every problem); :meth:`build_mesh`
+    then creates the process groups. A ``ParallelDims`` without a mesh is still useful for planning
+    (the dry run sizes a 64-device layout on a laptop).
+    """
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    world_size: int
+    mesh: DeviceMesh | None = field(default=None, repr=False)
+    """The world mesh, set by :meth:`build_mesh`; None on a single process."""
+    _dp_mesh: DeviceMesh | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        problems = layout_problems(self.dp_replicate, self.dp_shard, self.tp, self.world_size)
+        if problems:
+            raise ConfigError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
+        if self.dp_shard == -1:
+            self.dp_shard = self.world_size // (self.dp_replicate * self.tp)
+
+    @classmethod
+    def from_config(cls, parallel_cfg: Any, world_size: int) -> ParallelDims:
+        """From ``cfg.parallel`` (``dp_replicate``, ``dp_shard``, ``tp``) and the actual world size."""
+        return cls(
+            dp_replicate=int(parallel_cfg.dp_replicate),
+            dp_shard=int(parallel_cfg.dp_shard),
+            tp=int(parallel_cfg.tp),
+            world_size=int(world_size),
+        )
+
+    # -- degrees ---------------------------------------------------------------------------
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: ranks that read different rows (replicas x shards)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """FSDP2 is applied whenever ranks hold different data: sharded over ``dp_shard`` and, with
+        ``dp_replicate > 1``, replicated over ``dp_replicate`` (HSDP; pure replication when
+        ``dp_shard == 1``)."""
+        return self.dp_enabled
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    def describe(self) -> str:
+        return (
+            f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
+            f"= {self.world_size} device{'s' if self.world_size != 1 else ''}"
+        )
+
+    # -- mesh ------------------------------------------------------------------------------
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """Create the named world mesh on ``device_type`` (None for a single process).
+
+        The default process group must already exist (``portatrain.distributed.init_distributed``
+        creates it with the accelerator adapter's backend: gloo on CPU, nccl on CUDA); every
+        sub-mesh's group uses that backend. All three dimensions are kept even at size 1, so
+        ``mesh["tp"]`` and ``mesh["dp_shard"]`` always exist and code never branches on which
+        dimensions happen to be present.
+        """
+        if self.world_size == 1:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIM_NAMES
+        )
+        # Flatten now, on every rank (creating a group is collective), and keep the handle: torch
+        # deprecates slicing a flattened dimension back out of the root mesh.
+        self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        self.mesh = mesh
+        return mesh
+
+    def _require_mesh(self) -> DeviceMesh:
+        if self.mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not created a mesh (single process?)")
+        return self.mesh
+
+    @property
+    def dp_mesh(self) -> DeviceMesh | None:
+        """The flattened data-parallel mesh: data loading, token counts, loss and metric reductions."""
+        return self._dp_mesh
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 shards over: ``dp_shard``, or ``(dp_replicate, dp_shard)`` for HSDP."""
+        mesh = self._require_mesh()
+        return mesh["dp_replicate", "dp_shard"] if self.dp_replicate_enabled else mesh["dp_shard"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self._require_mesh()["tp"]
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the ``dp`` data-parallel ranks (0 on a single process)."""
+        return 0 if self._dp_mesh is None else self._dp_mesh.get_local_rank()
+
+
+def layout_problems(dp_replicate: int, dp_shard: int, tp: int, world_size: int) -> list[str]:
+    """Every reason ``dp_replicate x dp_shard x tp`` cannot run on ``world_size`` ranks, each with a fix."""
+    problems = []
+    for name, value in (("dp_replicate", dp_replicate), ("tp", tp)):
+        if value < 1:
+            problems.append(f"parallel.{name}={value} must be >= 1")
+    if dp_shard == 0 or dp_shard < -1:
+        problems.append(f"parallel.dp_shard={dp_shard} must be >= 1, or -1 to infer it from the world size")
+    if world_size < 1:
+        problems.append(f"world size {world_size} must be >= 1")
+    if problems:
+        return problems  # the arithmetic below needs sane degrees
+
+    if dp_shard == -1:
+        others = dp_replicate * tp
+        if world_size % others:
+            fits = others * max(1, world_size // others)
+            problems.append(
+                f"dp_replicate({dp_replicate}) * tp({tp}) = {others} does not divide world size "
+                f"{world_size}, so parallel.dp_shard=-1 cannot be inferred; launch a multiple of "
+                f"{others} processes (e.g. {fits}) or change parallel.dp_replicate/parallel.tp"
+            )
+        return problems
+
+    product = dp_replicate * dp_shard * tp
+    if product != world_size:
+        fixes = []
+        others = dp_replicate * tp
+        if world_size % others == 0:
+            fixes.append(f"set parallel.dp_shard={world_size // others} (or -1 to infer it)")
+        fixes.append(f"launch {product} processes")
+        problems.append(
+            f"dp_replicate({dp_replicate}) * dp_shard({dp_shard}) * tp({tp}) = {product} != world size "
+            f"{world_size}; {' or '.join(fixes)}"
+        )
+    return problems
+
+
+def model_problems(tp: int, n_heads: int, n_kv_heads: int, tie_embeddings: bool, flavor: str) -> list[str]:
+    """Reasons the model cannot be split ``tp`` ways: heads must divide evenly, and a tied output
+    projection (the embedding matrix used twice) is not tensor-parallel here."""
+    if tp <= 1:
+        return []
+    problems = []
+    if n_heads % tp or n_kv_heads % tp:
+        divisors = [d for d in range(1, n_kv_heads + 1) if n_heads % d == 0 and n_kv_heads % d == 0]
+        problems.append(
+            f"parallel.tp={tp} must divide n_heads({n_heads}) and n_kv_heads({n_kv_heads}) of flavour "
+            f"{flavor!r} (each rank holds whole heads); choose parallel.tp in {divisors}"
+        )
+    if tie_embeddings:
+        problems.append(
+            f"flavour {flavor!r} ties its output projection to the embedding, which tensor parallel does "
+            "not split here; set parallel.tp=1 (FSDP still shards the matrix over dp_shard)"
+        )
+    return problems
+
+
+def expected_world_size(cfg: Any) -> int:
+    """How many processes ``cfg`` will run with, known before any process group exists.
+
+    Under torchrun it is ``WORLD_SIZE``. Otherwise it is the job shape
+    ``parallel.launch.nodes * parallel.launch.procs_per_node`` (1 x 1 by default: a plain ``portatrain``
+    is one process). A dry run plans without launching anything: with an explicit ``dp_shard`` the
+    world is the product of the degrees (``dp_shard=8 tp=8`` is a 64-device plan); with
+    ``dp_shard=-1`` it is the job shape, or ``dp_replicate * tp`` devices if the job shape is smaller.
+    """
+    par = cfg.parallel
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    launched = par.launch.nodes * par.launch.procs_per_node
+    if cfg.get("dry_run", False):
+        if par.dp_shard > 0:
+            return par.dp_replicate * par.dp_shard * par.tp
+        return max(launched, par.dp_replicate * par.tp)
+    return launched
+
+
+SCHEDULERS = ("slurm", "jobset", "pytorchjob")
+_DTYPE_NAMES = ("float32", "bfloat16")
+
+
+def parallel_problems(cfg: Any) -> list[str]:
+    """Every problem of ``cfg.parallel`` for the world size it will run at (called by ``validate``)."""
+    par = cfg.parallel
+    launch = par.launch
+    problems = []
+    if par.param_dtype is not None and par.param_dtype not in _DTYPE_NAMES:
+        problems.append(f"parallel.param_dtype={par.param_dtype!r} is not one of {', '.join(_DTYPE_NAMES)}")
+    if par.reduce_dtype not in _DTYPE_NAMES:
+        problems.append(f"parallel.reduce_dtype={par.reduce_dtype!r} is not one of {', '.join(_DTYPE_NAMES)}")
+    if launch.scheduler not in SCHEDULERS:
+        problems.append(
+            f"parallel.launch.scheduler={launch.scheduler!r} is not one of {', '.join(SCHEDULERS)}"
+        )
+    for name in ("nodes", "procs_per_node"):
+        if getattr(launch, name) < 1:
+            problems.append(f"parallel.launch.{name}={getattr(launch, name)} must be >= 1")
+    if problems:
+        return problems
+    problems += layout_problems(par.dp_replicate, par.dp_shard, par.tp, expected_world_size(cfg))
+    if par.tp > 1:
+        from portatrain.models import FLAVORS
+
+        args = FLAVORS.get(cfg.model.name, {}).get(cfg.model.flavor)
+        if args is not None:  # an unknown model is reported by validate() itself
+            problems += model_problems(
+                par.tp, args.n_heads, args.n_kv_heads, args.tie_embeddings, cfg.model.flavor
+            )
+        data = cfg.data
+        lengths = list(data.buckets) if data.collator == "bucket" else [data.seq_len]
+        uneven = [n for n in lengths if n % par.tp]
+        if uneven:
+            key = "data.buckets" if data.collator == "bucket" else "data.seq_len"
+            problems.append(
+                f"{key} has row length(s) {uneven} not divisible by parallel.tp={par.tp}; sequence "
+                f"parallel splits each row over the tp ranks: use multiples of {par.tp}"
+            )
+    return problems

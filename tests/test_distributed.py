@@ -1,0 +1,170 @@
+"""Real multi-process training on CPU (gloo): FSDP2, TP, FSDP2 x TP, HSDP and two torchrun "nodes".
+
+Every run launches the unchanged ``portatrain`` command under a real ``torchrun`` and compares its
+per-step loss and gradient norm with one process training on the same global batch (N ranks with
+``data.batch_size=B`` read exactly the rows of one rank with ``N * B``). The weights start identical
+(``parallel.init_full_tensors``), gradients are the single-device ones (no double division by the
+dp degree), so the losses agree to fp32 rounding. Tiny model, five steps: each run takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from portatrain.trainer import Trainer
+from tests.conftest import ROOT, TINY, compose_config
+
+pytestmark = pytest.mark.slow
+
+STEPS = 5
+COMMON = [*TINY, f"trainer.steps={STEPS}"]
+GLOBAL_BATCH = 8
+
+
+def _records(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """One process, the whole global batch."""
+    run_dir = tmp_path_factory.mktemp("single")
+    trainer = Trainer(
+        compose_config([*COMMON, f"data.batch_size={GLOBAL_BATCH}", "checkpoint.enabled=false"], run_dir)
+    )
+    trainer.fit()
+    trainer.close()
+    return _records(run_dir)
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _torchrun(torchrun_args: list[str], args: list[str], cwd: Path, timeout: float = 300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "portatrain", *args]
+    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _failure(out: subprocess.CompletedProcess) -> str:
+    return f"exit code {out.returncode}\n--- stdout\n{out.stdout[-4000:]}\n--- stderr\n{out.stderr[-4000:]}"
+
+
+def _assert_matches(records: list[dict], reference: list[dict], steps: int = STEPS) -> None:
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for got, want in zip(records, reference):
+        assert got["loss"] == pytest.approx(want["loss"], abs=1e-5), (got, want)
+        # The pre-clip global norm, reduced across the FSDP/TP meshes, is the single-device norm.
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (got, want)
+
+
+def test_fsdp2_two_processes_match_one_and_write_once(tmp_path: Path, reference: list[dict]) -> None:
+    """Also the torchrun contract: one run directory shared by all ranks (named by the rendezvous id,
+    no ``run_dir`` given), metrics and checkpoint written once, a progress bar on rank 0 only."""
+    out = _torchrun(
+        ["--standalone", "--nproc-per-node=2", f"--log-dir={tmp_path / 'logs'}", "--redirects=3"],
+        [*COMMON, "data.batch_size=4", "trainer.progress=true"],
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, _failure(out)
+    (run_dir,) = (tmp_path / "runs" / "debug").iterdir()  # both ranks resolved the same directory
+    _assert_matches(_records(run_dir), reference)
+    assert (run_dir / "config.yaml").is_file()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{STEPS:07d}"]
+    rank0, rank1 = (
+        next((tmp_path / "logs").glob(f"*/attempt_0/{rank}/stderr.log")).read_text() for rank in (0, 1)
+    )
+    assert f"{STEPS}/{STEPS}" in rank0  # tqdm's final count
+    assert f"{STEPS}/{STEPS}" not in rank1
+
+
+@pytest.mark.parametrize(
+    ("nproc", "layout", "batch_size"),
+    [
+        (2, ["parallel.tp=2"], GLOBAL_BATCH),
+        (4, ["parallel.dp_shard=2", "parallel.tp=2"], GLOBAL_BATCH // 2),
+        (2, ["parallel.dp_replicate=2"], GLOBAL_BATCH // 2),
+    ],
+    ids=["tp2", "fsdp2xtp2", "hsdp_replicate2"],
+)
+def test_layouts_match_one_process(
+    tmp_path: Path, reference: list[dict], nproc: int, layout: list[str], batch_size: int
+) -> None:
+    out = _torchrun(
+        ["--standalone", f"--nproc-per-node={nproc}"],
+        [
+            *COMMON,
+            *layout,
+            f"data.batch_size={batch_size}",
+            f"run_dir={tmp_path / 'run'}",
+            "checkpoint.enabled=false",
+        ],
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, _failure(out)
+    _assert_matches(_records(tmp_path / "run"), reference)
+
+
+def test_compiled_blocks_with_tp_and_selective_checkpointing_match(
+    tmp_path: Path, reference: list[dict]
+) -> None:
+    """TP -> selective AC -> per-block compile: TP is where compiled blocks meet DTensor
+    redistributions (see ``parallelize._detach_view_from_compiled_blocks``). Two steps, since compiling
+    on CPU dominates; the first two learning rates do not depend on ``trainer.steps``."""
+    out = _torchrun(
+        ["--standalone", "--nproc-per-node=2"],
+        [
+            *COMMON,
+            "trainer.steps=2",
+            "parallel.tp=2",
+            "parallel.activation_checkpointing=selective",
+            "compile.enabled=true",
+            f"data.batch_size={GLOBAL_BATCH}",
+            f"run_dir={tmp_path / 'run'}",
+            "checkpoint.enabled=false",
+        ],
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, _failure(out)
+    _assert_matches(_records(tmp_path / "run"), reference[:2], steps=2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_agents_as_two_nodes(tmp_path: Path, reference: list[dict]) -> None:
+    """``--nnodes=2``: two agents on this machine meet in a c10d rendezvous on 127.0.0.1, exactly as
+    two hosts would (README's multi-host command), and the job trains like one process."""
+    torchrun_args = [
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--rdzv-id=twonodes",
+    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "portatrain"]
+    cmd += [*COMMON, "data.batch_size=4", "checkpoint.enabled=false"]
+    agents = [
+        subprocess.Popen(
+            cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for _ in range(2)
+    ]
+    outputs = [agent.communicate(timeout=300)[0] for agent in agents]
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    # The rendezvous id is the run id on both nodes: one directory, written by global rank 0.
+    assert [p.name for p in (tmp_path / "runs" / "debug").iterdir()] == ["twonodes"]
+    _assert_matches(_records(tmp_path / "runs" / "debug" / "twonodes"), reference)

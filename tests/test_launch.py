@@ -1,0 +1,253 @@
+"""Job rendering and submission: the sbatch script, the JobSet and the PyTorchJob.
+
+No scheduler runs here (see the README: a SLURM controller needs munge and root-owned daemons), so
+the sbatch script is checked three ways: ``bash -n``, its torchrun arguments, and -- slow test -- by
+running it under stand-ins for ``srun`` and ``scontrol`` that start one torchrun agent per "node" on
+this machine, which then really train.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from portatrain.config import ConfigError
+from portatrain.launch import render_job, training_overrides
+from tests.conftest import ROOT, TINY, compose_config, run_cli
+from tests.test_distributed import free_port
+
+
+def _render(overrides: list[str]) -> str:
+    return render_job(compose_config(overrides), overrides).text
+
+
+def _write_executable(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def test_training_overrides_drop_the_job_shape() -> None:
+    assert training_overrides(
+        ["recipe=llama8b", "parallel.launch.nodes=4", "+parallel.launch.env.X=1", "parallel.tp=8"]
+    ) == ["recipe=llama8b", "parallel.tp=8"]
+
+
+def test_sbatch_script_is_valid_bash_with_the_slurm_rendezvous(tmp_path: Path) -> None:
+    args = [
+        "render",
+        "recipe=llama70b",
+        "device=cuda",
+        "parallel.tp=8",
+        "parallel.launch.nodes=8",
+        "parallel.launch.procs_per_node=8",
+        "parallel.launch.partition=gpu",
+        "parallel.launch.time=48:00:00",
+        "trainer.steps=10",
+        "optim.betas=[0.9,0.99]",
+        f"parallel.launch.output={tmp_path / 'job.sbatch'}",
+    ]
+    out = run_cli(args, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    script = (tmp_path / "job.sbatch").read_text()
+    assert subprocess.run(["bash", "-n", tmp_path / "job.sbatch"], capture_output=True).returncode == 0
+    for directive in (
+        "--nodes=8",
+        "--ntasks-per-node=1",
+        "--gpus-per-node=8",
+        "--partition=gpu",
+        "--time=48:00:00",
+    ):
+        assert f"#SBATCH {directive}\n" in script
+    assert 'nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))\nhead_node=${nodes[0]}\n' in script
+    assert "srun --kill-on-bad-exit=1 torchrun" in script
+    for arg in (
+        '--nnodes="$SLURM_JOB_NUM_NODES"',
+        "--nproc-per-node=8",
+        "--rdzv-backend=c10d",
+        '--rdzv-endpoint="$head_node:29500"',
+        '--rdzv-id="$SLURM_JOB_ID"',
+    ):
+        assert f"    {arg} \\\n" in script
+    # The same command the user would type, minus the job-shape keys.
+    assert script.rstrip().endswith(
+        "-m portatrain recipe=llama70b device=cuda parallel.tp=8 trainer.steps=10 'optim.betas=[0.9,0.99]'"
+    )
+    assert "dp_replicate=1 x dp_shard=8 x tp=8 = 64 devices" in script
+
+
+def test_pytorchjob_for_trainium_parses_and_requests_neuron_cores() -> None:
+    manifest = yaml.safe_load(
+        _render(
+            [
+                "recipe=llama8b",
+                "device=neuron",
+                "parallel.launch.scheduler=pytorchjob",
+                "parallel.launch.nodes=4",
+                "parallel.launch.procs_per_node=32",
+                "parallel.launch.image=registry.example/portatrain:1",
+                "+parallel.launch.env.NEURON_RT_LOG_LEVEL=ERROR",
+            ]
+        )
+    )
+    assert (manifest["apiVersion"], manifest["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    specs = manifest["spec"]["pytorchReplicaSpecs"]
+    assert (specs["Master"]["replicas"], specs["Worker"]["replicas"]) == (1, 3)
+    assert manifest["spec"]["nprocPerNode"] == "32"
+    (container,) = specs["Worker"]["template"]["spec"]["containers"]
+    assert container["name"] == "pytorch"  # the operator looks for this name
+    assert container["image"] == "registry.example/portatrain:1"
+    assert container["resources"]["limits"] == {"aws.amazon.com/neuroncore": 32}
+    assert container["env"] == [{"name": "NEURON_RT_LOG_LEVEL", "value": "ERROR"}]
+    command = container["command"]
+    assert command[0] == "torchrun"
+    assert {"--nnodes=4", "--nproc-per-node=32", "--rdzv-backend=c10d"} <= set(command)
+    assert "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)" in command
+    assert command[command.index("-m") :] == ["-m", "portatrain", "recipe=llama8b", "device=neuron"]
+
+
+def test_pytorchjob_for_gpus_requests_nvidia_gpus() -> None:
+    manifest = yaml.safe_load(
+        _render(
+            [
+                "device=cuda",
+                "parallel.launch.scheduler=pytorchjob",
+                "parallel.launch.procs_per_node=8",
+                "parallel.launch.image=img:1",
+            ]
+        )
+    )
+    specs = manifest["spec"]["pytorchReplicaSpecs"]
+    assert set(specs) == {"Master"}  # one node: no workers
+    assert specs["Master"]["template"]["spec"]["containers"][0]["resources"]["limits"] == {
+        "nvidia.com/gpu": 8
+    }
+
+
+def test_jobset_for_a_tpu_slice_parses_with_the_right_structure() -> None:
+    manifest = yaml.safe_load(
+        _render(
+            [
+                "recipe=llama8b",
+                "device=tpu",
+                "parallel.launch.scheduler=jobset",
+                "parallel.launch.nodes=2",
+                "parallel.launch.procs_per_node=4",
+                "parallel.launch.tpu_topology=2x2x2",
+                "parallel.launch.image=img:1",
+                'parallel.launch.setup=["pip install -e ."]',
+            ]
+        )
+    )
+    assert (manifest["apiVersion"], manifest["kind"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet")
+    name = manifest["metadata"]["name"]
+    assert name == "portatrain-llama8b"
+    (job,) = manifest["spec"]["replicatedJobs"]
+    spec = job["template"]["spec"]
+    assert (spec["parallelism"], spec["completions"], spec["completionMode"]) == (2, 2, "Indexed")
+    pod = spec["template"]["spec"]
+    assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "2x2x2"
+    (container,) = pod["containers"]
+    assert container["resources"]["limits"] == {"google.com/tpu": 4}
+    assert container["command"][:2] == ["bash", "-c"] and "pip install -e ." in container["command"][2]
+    torchrun = container["command"][container["command"].index("torchrun") :]
+    assert f"--rdzv-endpoint={name}-workers-0-0.{name}:29500" in torchrun
+    assert f"--rdzv-id={name}" in torchrun and "--nnodes=2" in torchrun
+
+
+def test_kubernetes_problems_are_reported_together() -> None:
+    overrides = [
+        "device=cuda",
+        "parallel.launch.scheduler=jobset",
+        "parallel.launch.nodes=2",
+        "parallel.launch.procs_per_node=8",
+    ]
+    with pytest.raises(ConfigError) as err:
+        render_job(compose_config(overrides), overrides)
+    message = str(err.value)
+    assert "needs a container image: set parallel.launch.image=" in message
+    assert "renders a TPU slice, but device=cuda" in message
+    assert "tpu_topology=2x2x2 has 8 chips but nodes(2) * procs_per_node(8) = 16" in message
+
+
+def test_render_validates_the_layout_against_the_job_shape(tmp_path: Path) -> None:
+    out = run_cli(
+        ["render", "parallel.dp_shard=3", "parallel.launch.nodes=2", "parallel.launch.procs_per_node=2"],
+        cwd=tmp_path,
+    )
+    assert out.returncode == 2
+    assert "dp_shard(3) * tp(1) = 3 != world size 4; set parallel.dp_shard=4" in out.stderr
+
+
+def test_submit_writes_the_script_and_calls_sbatch(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _write_executable(
+        bin_dir / "sbatch",
+        '#!/bin/bash\necho "$@" > "$(dirname "$0")/called"\necho "Submitted batch job 7"\n',
+    )
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    out = run_cli(["submit", f"run_dir={tmp_path / 'run'}", "trainer.steps=3"], cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "Submitted batch job 7" in out.stdout
+    assert (bin_dir / "called").read_text().strip() == str(tmp_path / "run" / "job.sbatch")
+    assert "trainer.steps=3" in (tmp_path / "run" / "job.sbatch").read_text()
+
+
+def test_submit_without_the_scheduler_cli_is_one_clear_error(tmp_path: Path) -> None:
+    out = run_cli(
+        ["submit", "parallel.launch.scheduler=pytorchjob", "device=cuda", "parallel.launch.image=i:1"],
+        cwd=tmp_path,
+        env={"PATH": os.path.dirname(sys.executable)},
+    )
+    assert out.returncode == 2
+    assert "submits with `kubectl`, which is not on PATH here; run `portatrain render`" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_sbatch_script_trains_on_two_fake_slurm_nodes(tmp_path: Path) -> None:
+    """The rendered script itself, run by bash with stand-ins for SLURM's ``scontrol`` and ``srun``
+    (one torchrun agent per node, all on this machine): the rendezvous it builds from SLURM's
+    environment works, and the run directory is named by the job id."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _write_executable(bin_dir / "scontrol", "#!/bin/bash\nprintf '127.0.0.1\\n127.0.0.1\\n'\n")
+    _write_executable(
+        bin_dir / "srun",
+        "#!/bin/bash\n"
+        "# one task per node, as --ntasks-per-node=1 would start them\n"
+        'while [[ "$1" == --* ]]; do shift; done\n'
+        "pids=()\n"
+        'for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do SLURM_NODEID=$i "$@" & pids+=($!); done\n'
+        'rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done; exit $rc\n',
+    )
+    _write_executable(
+        bin_dir / "torchrun", f'#!/bin/bash\nexec {sys.executable} -m torch.distributed.run "$@"\n'
+    )
+    overrides = [*TINY, "data.batch_size=4", "checkpoint.enabled=false"]
+    cfg = compose_config([*overrides, "parallel.launch.nodes=2", f"parallel.launch.rdzv_port={free_port()}"])
+    script = tmp_path / "job.sbatch"
+    from portatrain.launch.slurm import render_sbatch
+
+    script.write_text(render_sbatch(cfg, overrides, workdir=str(tmp_path)))
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT / "src"),
+        "OMP_NUM_THREADS": "1",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+    }
+    env.pop("WORLD_SIZE", None)
+    out = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "runs" / "debug" / "4242" / "metrics.jsonl").open()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
