@@ -1,0 +1,167 @@
+"""``portatrain export``: a portatrain checkpoint -> a Hugging Face ``LlamaForCausalLM`` directory.
+
+What this file does:
+
+- :func:`export_command` is the CLI command: ``portatrain export checkpoint=PATH|auto out=DIR``
+  (``auto`` is the newest complete checkpoint under ``run_dir``);
+- :func:`export_hf` writes ``config.json``, ``model-0000i-of-0000n.safetensors`` shards of at most
+  ``export.max_shard_size`` each and ``model.safetensors.index.json``: what
+  ``transformers.LlamaForCausalLM.from_pretrained(out)`` loads, and what ``model.init_from=out``
+  reads back (see :func:`portatrain.checkpoint.load_hf_weights`).
+
+The export streams: it reads from the DCP checkpoint only the tensors of one output shard at a time
+(a partial ``dcp.load``), so its peak memory is about one shard, whatever the model size and however
+many ranks saved it. It needs one process and no process group. The directory is written under a
+temporary name and renamed when complete; an existing ``out`` is never overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from portatrain.checkpoint import CheckpointError, complete_checkpoints, inspect_checkpoint
+from portatrain.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def export_command(cfg: Any) -> Path:
+    """The ``export`` subcommand: resolve ``export.checkpoint`` and write ``export.out``."""
+    export = cfg.export
+    if not export.out:
+        raise ConfigError("export.out is not set: portatrain export checkpoint=PATH|auto out=DIR")
+    checkpoint = find_checkpoint(export.checkpoint, Path(cfg.run_dir))
+    out = export_hf(
+        checkpoint, Path(export.out), max_shard_size=parse_size(export.max_shard_size), dtype=export.dtype
+    )
+    shards = len(list(out.glob("*.safetensors")))
+    print(f"exported {checkpoint} -> {out}: {shards} safetensors shard(s), {export.dtype}")
+    return out
+
+
+def find_checkpoint(spec: str, run_dir: Path) -> Path:
+    """``auto``: the newest complete checkpoint under ``run_dir``; a run directory: its newest; else ``spec``."""
+    if spec != "auto":
+        path = Path(spec)
+        newest = complete_checkpoints(path / "checkpoints")
+        return newest[-1] if newest else path
+    newest = complete_checkpoints(run_dir / "checkpoints")
+    if not newest:
+        raise CheckpointError(
+            f"checkpoint=auto: no complete checkpoint under {run_dir / 'checkpoints'}; pass "
+            "checkpoint=<a step_N directory>, or run_dir=<the training run's directory>"
+        )
+    return newest[-1]
+
+
+def parse_size(size: str | int) -> int:
+    """``"5GB"`` -> 5_000_000_000 (powers of 10 as in Hugging Face; ``GiB`` for powers of 2)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
+    if match is None or match.group(2).upper() not in _UNITS:
+        raise ConfigError(f"export.max_shard_size={size!r} is not a size like 5GB, 500MB, 2GiB or 1000000")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def export_hf(checkpoint: Path, out: Path, *, max_shard_size: int, dtype: str = "float32") -> Path:
+    """Write the model weights of a portatrain checkpoint as a Hugging Face Llama directory."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    from portatrain.data.tokenizer import build_tokenizer
+    from portatrain.models.llama.hf import hf_config, to_hf
+    from portatrain.models.llama.model import Llama, LlamaArgs, RopeScaling
+
+    if dtype not in _DTYPES:
+        raise ConfigError(f"export.dtype={dtype!r} is not one of {', '.join(_DTYPES)}")
+    checkpoint = Path(checkpoint)
+    state, metadata = inspect_checkpoint(checkpoint)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"export.out={out} already exists and is not empty; choose a new directory")
+    raw_args = state.get("model_args")
+    if not raw_args:
+        raise CheckpointError(
+            f"checkpoint {checkpoint}: trainer_state.json records no model architecture (a custom "
+            "build_model?); only portatrain Llama checkpoints can be exported"
+        )
+    scaling = raw_args.get("rope_scaling")
+    args = LlamaArgs(**{**raw_args, "rope_scaling": RopeScaling(**scaling) if scaling else None})
+
+    with torch.device("meta"):
+        keys = list(Llama(args).state_dict())  # HF-friendly order: embedding, layers 0..n, norm, head
+    target = _DTYPES[dtype]
+    sizes = {}
+    for key in keys:
+        entry = metadata.state_dict_metadata.get(f"model.{key}")
+        if entry is None:
+            raise CheckpointError(f"checkpoint {checkpoint / '.metadata'} has no tensor model.{key}")
+        sizes[key] = entry.size.numel() * target.itemsize
+    shards = _plan_shards(keys, sizes, max_shard_size)
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards, start=1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {
+            key: torch.empty(
+                metadata.state_dict_metadata[f"model.{key}"].size,
+                dtype=metadata.state_dict_metadata[f"model.{key}"].properties.dtype,
+            )
+            for key in shard
+        }
+        try:
+            dcp.load({"model": tensors}, checkpoint_id=str(checkpoint))
+        except (Exception, dcp.CheckpointException) as exc:  # the latter is a BaseException
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(
+                f"reading checkpoint {checkpoint} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        hf = {k: v.to(target).contiguous() for k, v in to_hf(tensors).items()}
+        save_file(hf, str(tmp / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(hf, name))
+        del tensors, hf
+
+    tokenizer = build_tokenizer(state.get("tokenizer", "byte"))
+    config = {
+        **hf_config(args, torch_dtype=dtype),
+        "bos_token_id": tokenizer.bos_id,
+        "eos_token_id": tokenizer.eos_id,
+        "pad_token_id": tokenizer.pad_id,
+    }
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    if out.exists():
+        out.rmdir()  # empty (checked above)
+    tmp.rename(out)
+    logger.debug(
+        "exported step %s: %d shard(s), %.1f MB", state["step"], len(shards), sum(sizes.values()) / 1e6
+    )
+    return out
+
+
+def _plan_shards(keys: list[str], sizes: dict[str, int], max_shard_size: int) -> list[list[str]]:
+    """Greedy, in order: a new shard starts when the next tensor would overflow this one.
+
+    A tensor larger than the limit gets a shard of its own (safetensors cannot split a tensor).
+    """
+    shards: list[list[str]] = [[]]
+    used = 0
+    for key in keys:
+        if shards[-1] and used + sizes[key] > max_shard_size:
+            shards.append([])
+            used = 0
+        shards[-1].append(key)
+        used += sizes[key]
+    return shards

@@ -1,0 +1,251 @@
+"""Checkpoints on disk: layout, keep-last-K, atomicity, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import signal
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from portatrain.checkpoint import (
+    CheckpointError,
+    PreemptionWatcher,
+    complete_checkpoints,
+    read_trainer_state,
+    resolve_resume,
+)
+from portatrain.trainer import Trainer
+from tests.conftest import TINY, compose_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _trainer(overrides: list[str], run_dir: Path) -> Trainer:
+    return Trainer(compose_config(TINY + overrides, run_dir=run_dir))
+
+
+def _fit(overrides: list[str], run_dir: Path) -> Trainer:
+    trainer = _trainer(overrides, run_dir)
+    trainer.fit()
+    trainer.close()
+    return trainer
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``folder`` with its size and mtime: proof that nothing was rewritten."""
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in folder.rglob("*")
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One 4-step run saving every step and keeping 2: shared, read-only, by the tests below."""
+    run_dir = tmp_path_factory.mktemp("saved") / "run"
+    _fit(["checkpoint.every=1", "checkpoint.keep=2"], run_dir)
+    return run_dir
+
+
+def test_layout_keep_last_k_and_only_tensors_in_dcp(saved_run: Path) -> None:
+    ckpts = complete_checkpoints(saved_run / "checkpoints")
+    assert [p.name for p in ckpts] == ["step_0000003", "step_0000004"]
+    assert not list((saved_run / "checkpoints").glob("*.tmp"))
+    newest = ckpts[-1]
+    names = {p.name for p in newest.iterdir()}
+    assert {".metadata", "trainer_state.json", "dataloader_rank0.json", "config.yaml"} <= names
+    state = read_trainer_state(newest)
+    assert state["step"] == 4 and state["tokens_seen"] > 0 and state["recipe"] == "debug"
+    assert state["lr_scheduler"]["last_epoch"] == 4 and state["world_size"] == 1
+    assert state["model_args"]["dim"] == 128
+    assert (
+        json.loads((newest / "dataloader_rank0.json").read_text())["_index_sampler_state"]["batches_yielded"]
+        == 4
+    )
+    assert "flavor: debug" in (newest / "config.yaml").read_text()
+    # Only tensors go through DCP: loading never unpickles a value with torch.load(weights_only=False).
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(newest)).read_metadata()
+    kinds = {type(v).__name__ for v in metadata.state_dict_metadata.values()}
+    assert kinds == {TensorStorageMetadata.__name__}
+    keys = set(metadata.state_dict_metadata)
+    assert "model.embed_tokens.weight" in keys and "rng.rank0.cpu" in keys
+    assert "optim.layers.0.self_attn.q_proj.weight.exp_avg_sq" in keys
+
+
+def test_new_run_in_a_used_run_dir_fails_before_touching_it(saved_run: Path) -> None:
+    before = _snapshot(saved_run)
+    with pytest.raises(CheckpointError) as info:
+        _trainer([], saved_run)
+    message = str(info.value)
+    assert str(saved_run) in message and "checkpoint.resume=auto" in message and "run_dir=" in message
+    assert _snapshot(saved_run) == before
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "missing",
+        "unfinished_tmp",
+        "truncated_data",
+        "truncated_index",
+        "no_trainer_state",
+        "wrong_shape",
+        "wrong_recipe",
+    ],
+)
+def test_bad_checkpoint_is_one_clear_error_and_nothing_is_overwritten(
+    saved_run: Path, tmp_path: Path, damage: str
+) -> None:
+    ckpt = tmp_path / "checkpoints" / "step_0000004"
+    shutil.copytree(complete_checkpoints(saved_run / "checkpoints")[-1], ckpt)
+    overrides: list[str] = []
+    expected: str
+    if damage == "missing":
+        ckpt = tmp_path / "nowhere" / "step_0000009"
+        expected = f"checkpoint {ckpt} does not exist"
+    elif damage == "unfinished_tmp":
+        ckpt = ckpt.rename(ckpt.with_name("step_0000004.tmp"))
+        expected = "is an unfinished save"
+    elif damage == "truncated_data":
+        data = ckpt / "__0_0.distcp"
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+        expected = f"{data} is truncated"
+    elif damage == "truncated_index":
+        index = ckpt / ".metadata"
+        index.write_bytes(index.read_bytes()[:100])
+        expected = f"{index} is unreadable"
+    elif damage == "no_trainer_state":
+        (ckpt / "trainer_state.json").unlink()
+        expected = f"{ckpt / 'trainer_state.json'} is missing"
+    elif damage == "wrong_shape":
+        overrides = ["model.vocab_size=300"]
+        expected = "embed_tokens.weight: checkpoint [258, 128], model [300, 128]"
+    else:  # a checkpoint of another recipe: refused before the model is built
+        overrides = ["recipe=llama8b"]
+        expected = "was saved by recipe 'debug', not 'llama8b'"
+    run_dir = tmp_path / "resumed"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    before = _snapshot(tmp_path)
+    with pytest.raises(CheckpointError) as info:
+        _trainer(overrides + [f"checkpoint.resume={ckpt}"], run_dir)
+    assert expected in str(info.value)
+    assert _snapshot(tmp_path) == before  # nothing written: no config.yaml, no metrics line
+
+
+def test_crash_during_save_leaves_previous_checkpoint_loadable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer dies after the data files of the step-4 save are written, before its index."""
+    calls = {"n": 0}
+    original = FileSystemWriter.finish
+
+    def finish(self, metadata, results):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("disk full (simulated)")
+        return original(self, metadata, results)
+
+    monkeypatch.setattr(FileSystemWriter, "finish", finish)
+    with pytest.raises(BaseException) as info:  # DCP's CheckpointException is a BaseException
+        _fit(["checkpoint.every=2"], tmp_path)
+    assert "disk full (simulated)" in "".join(traceback.format_exception(info.value))
+    monkeypatch.undo()
+    folder = tmp_path / "checkpoints"
+    assert [p.name for p in complete_checkpoints(folder)] == ["step_0000002"]
+    tmp = folder / "step_0000004.tmp"
+    assert list(tmp.glob("*.distcp")) and not (tmp / ".metadata").exists()
+    assert resolve_resume("auto", folder) == folder / "step_0000002"
+
+    resumed = _fit(["checkpoint.every=2", "checkpoint.resume=auto"], tmp_path)
+    assert resumed.step == 4
+    assert [p.name for p in complete_checkpoints(folder)] == ["step_0000002", "step_0000004"]
+    assert not tmp.exists()  # the next save swept the unfinished one
+
+
+def test_sigterm_in_process_saves_at_the_step_boundary(tmp_path: Path) -> None:
+    class Preempted(Trainer):
+        def on_step_end(self, step: int, metrics: dict) -> None:
+            if step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    trainer = Preempted(compose_config(TINY + ["trainer.steps=6"], run_dir=tmp_path))
+    trainer.fit()
+    trainer.close()
+    assert trainer.preempted and trainer.step == 2
+    assert [p.name for p in complete_checkpoints(tmp_path / "checkpoints")] == ["step_0000002"]
+    assert signal.getsignal(signal.SIGTERM) == previous  # handler given back
+
+
+def test_preemption_watcher_single_process() -> None:
+    watcher = PreemptionWatcher()
+    previous = signal.getsignal(signal.SIGTERM)
+    watcher.install()
+    try:
+        assert not watcher.should_stop()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert watcher.should_stop()
+    finally:
+        watcher.uninstall()
+    assert signal.getsignal(signal.SIGTERM) == previous
+
+
+def test_no_torch_load_without_weights_only_in_src() -> None:
+    """``torch.load`` unpickles arbitrary objects unless ``weights_only=True``: never in portatrain.
+
+    Calls are found in the syntax tree (multi-line calls included, docstrings and comments not),
+    under any spelling that names the function ``load`` on ``torch`` or imports it from there.
+    """
+    offenders = []
+    for path in sorted((ROOT / "src").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        aliases = {"load"} if _imports_torch_load(tree) else set()
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            is_torch_load = (
+                isinstance(func, ast.Attribute) and func.attr == "load" and ast.unparse(func.value) == "torch"
+            ) or (isinstance(func, ast.Name) and func.id in aliases)
+            safe = any(
+                kw.arg == "weights_only" and isinstance(kw.value, ast.Constant) and kw.value.value is True
+                for kw in node.keywords
+            )
+            if is_torch_load and not safe:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert not offenders, "torch.load without weights_only=True:\n" + "\n".join(offenders)
+
+
+def _imports_torch_load(tree: ast.AST) -> bool:
+    return any(
+        isinstance(node, ast.ImportFrom)
+        and node.module == "torch"
+        and any(a.name == "load" for a in node.names)
+        for node in ast.walk(tree)
+    )
+
+
+def test_rng_state_round_trips(saved_run: Path, tmp_path: Path) -> None:
+    """The generator continues where the saved run left it, so random ops after a resume match too."""
+    from torch.distributed.checkpoint import load
+
+    ckpt = complete_checkpoints(saved_run / "checkpoints")[-1]
+    saved = {"rng": {"rank0": {"cpu": torch.get_rng_state()}}}
+    load(saved, checkpoint_id=str(ckpt))
+    torch.manual_seed(0)
+    trainer = _trainer([f"checkpoint.resume={ckpt}"], tmp_path)
+    assert torch.equal(torch.get_rng_state(), saved["rng"]["rank0"]["cpu"])
+    assert trainer.step == 4
+    trainer.close()

@@ -1,0 +1,150 @@
+"""Resume on another number of ranks: DCP reshards model and optimizer, the data order carries over.
+
+A run stopped at step 4 on 2 FSDP2 ranks (``data.batch_size=4``) resumes on 1 rank
+(``data.batch_size=8``), and the other way round. The global batch (8 rows) is the same, so the
+sampler continues the same global batches, and every step's loss matches one uninterrupted
+process to fp32 reduction-order rounding. Both runs start from the same Hugging Face directory
+(``model.init_from``), which also checks that FSDP2 ranks load their own slices of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from portatrain.checkpoint import CheckpointError, complete_checkpoints, read_trainer_state
+from portatrain.trainer import Trainer
+from tests.conftest import ROOT, TINY, compose_config
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+STEPS, STOP = 8, 4
+RUN = [*TINY, f"trainer.steps={STEPS}"]
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Random debug-size Llama weights saved by transformers, sharded."""
+    from portatrain.models.llama.hf import hf_config
+    from portatrain.models.llama.model import LLAMA3_FLAVORS
+
+    out = tmp_path_factory.mktemp("hf") / "llama"
+    config = transformers.LlamaConfig(**hf_config(LLAMA3_FLAVORS["debug"], torch_dtype="float32"))
+    transformers.LlamaForCausalLM(config).save_pretrained(out, max_shard_size="300KB")
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, hf_dir: Path) -> dict[int, float]:
+    run_dir = tmp_path_factory.mktemp("reference")
+    trainer = Trainer(
+        compose_config(
+            [*RUN, "data.batch_size=8", "checkpoint.enabled=false", f"model.init_from={hf_dir}"], run_dir
+        )
+    )
+    trainer.fit()
+    trainer.close()
+    return _losses(run_dir)
+
+
+class StopAt(Trainer):
+    """Rank 0 alone asks to stop after step ``STOP``; the ranks agree on it, save, and exit 0."""
+
+    def on_step_end(self, step: int, metrics: dict) -> None:
+        if step == STOP and self.dist.is_main:
+            self.preemption.requested = True
+
+
+def _torchrun(args: list[str], cwd: Path, *, stop: bool) -> subprocess.CompletedProcess:
+    script = cwd / "stop_at.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            from portatrain.cli import main
+            from portatrain.trainer import Trainer
+
+            class StopAt(Trainer):
+                def on_step_end(self, step, metrics):
+                    if {stop!r} and step == {STOP} and self.dist.is_main:
+                        self.preemption.requested = True
+
+            main(trainer_cls=StopAt)
+            """
+        )
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("WORLD_SIZE", None)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(script),
+        *args,
+    ]
+    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def _assert_close(got: dict[int, float], want: dict[int, float]) -> None:
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], abs=1e-5), step
+
+
+def test_two_fsdp2_ranks_save_one_rank_resumes(tmp_path: Path, hf_dir: Path, reference: dict) -> None:
+    run_dir = tmp_path / "run"
+    _torchrun(
+        [*RUN, "data.batch_size=4", "parallel.dp_shard=2", f"model.init_from={hf_dir}", f"run_dir={run_dir}"],
+        tmp_path,
+        stop=True,
+    )
+    (ckpt,) = complete_checkpoints(run_dir / "checkpoints")
+    state = read_trainer_state(ckpt)
+    assert state["step"] == STOP and state["world_size"] == 2
+    assert {p.name for p in ckpt.glob("dataloader_rank*.json")} == {
+        "dataloader_rank0.json",
+        "dataloader_rank1.json",
+    }
+
+    # A different global batch cannot continue the saved data order: one clear error, with the fixes.
+    with pytest.raises(CheckpointError, match="checkpoint.restore_data=false"):
+        Trainer(compose_config([*RUN, "data.batch_size=4", "checkpoint.resume=auto"], run_dir))
+    fresh_order = [*RUN, "data.batch_size=4", "checkpoint.resume=auto", "checkpoint.restore_data=false"]
+    Trainer(compose_config(fresh_order, run_dir)).close()  # ... which the suggested fix accepts
+
+    trainer = Trainer(compose_config([*RUN, "data.batch_size=8", "checkpoint.resume=auto"], run_dir))
+    assert trainer.step == STOP
+    trainer.fit()
+    trainer.close()
+    _assert_close(_losses(run_dir), reference)
+
+
+def test_one_rank_saves_two_fsdp2_ranks_resume(tmp_path: Path, hf_dir: Path, reference: dict) -> None:
+    run_dir = tmp_path / "run"
+    trainer = StopAt(compose_config([*RUN, "data.batch_size=8", f"model.init_from={hf_dir}"], run_dir))
+    trainer.fit()
+    trainer.close()
+    assert [p.name for p in complete_checkpoints(run_dir / "checkpoints")] == [f"step_{STOP:07d}"]
+
+    _torchrun(
+        [*RUN, "data.batch_size=4", "parallel.dp_shard=2", "checkpoint.resume=auto", f"run_dir={run_dir}"],
+        tmp_path,
+        stop=False,
+    )
+    _assert_close(_losses(run_dir), reference)
+    assert read_trainer_state(complete_checkpoints(run_dir / "checkpoints")[-1])["world_size"] == 2
