@@ -129,3 +129,37 @@ class Accelerator:
 
     def describe(self) -> str:
         return f"{self.name}:{self.index}"
+
+    # -- performance accounting (MFU, profiler) --------------------------------------------
+    def device_name(self) -> str:
+        """The hardware behind :attr:`device`, as the peak-FLOPs table and bench reports name it."""
+        return self.describe()
+
+    def peak_flops(self, dtype: torch.dtype) -> float | None:
+        """Dense peak FLOP/s of one device computing matmuls in ``dtype``; None when unknown.
+
+        Dense means without 2:4 structured sparsity: datasheets often print the sparse figure,
+        twice the dense one, and MFU is always quoted against dense. ``metrics.peak_tflops``
+        overrides this for hardware missing from the adapter's table.
+        """
+        return None
+
+    def profiler_activities(self) -> list[torch.profiler.ProfilerActivity]:
+        """``torch.profiler`` activities to record: host ops, plus this device's kernels where torch
+        ships a profiler for its device type (CUDA, XPU, MTIA, HPU). Others record host ops only."""
+        activity = getattr(torch.profiler.ProfilerActivity, self.device_type.upper(), None)
+        cpu = torch.profiler.ProfilerActivity.CPU
+        return [cpu] if activity in (None, cpu) else [cpu, activity]
+
+
+def lookup_peak_tflops(
+    table: tuple[tuple[tuple[str, ...], dict[str, float]], ...], device_name: str, precision: str
+) -> float | None:
+    """Dense peak TFLOP/s for ``device_name`` from ``table``: the first row one of whose name fragments
+    occurs in the name (case-insensitive), so rows go from specific (``H100 PCIe``) to general
+    (``H100``). ``precision`` is a dtype name (``bfloat16``, ``float32``) or ``tf32``."""
+    name = device_name.lower()
+    for fragments, peaks in table:
+        if any(fragment.lower() in name for fragment in fragments):
+            return peaks.get(precision)
+    return None

@@ -4,7 +4,26 @@ from __future__ import annotations
 
 import torch
 
-from portatrain.accelerators.base import Accelerator
+from portatrain.accelerators.base import Accelerator, lookup_peak_tflops
+
+# Dense peak TFLOP/s per GPU (no 2:4 sparsity), from NVIDIA's datasheets. The tensor-core columns
+# there are printed "with sparsity"; dense is half. The fp32 column is the non-tensor-core rate
+# (what an fp32 matmul gets unless TF32 is enabled). Rows are matched against
+# torch.cuda.get_device_name(), specific before general ("NVIDIA H100 80GB HBM3" is the SXM part).
+#   A100:        nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (same for SXM4/PCIe, 40/80 GB)
+#   H100:        NVIDIA H100 Tensor Core GPU datasheet (SXM, PCIe and NVL columns)
+#   H200:        NVIDIA H200 Tensor Core GPU datasheet (SXM and NVL columns); the GH200 superchip's
+#                GPU has the same peak as H200 SXM and its name ("NVIDIA GH200 ...") matches that row.
+# Cross-checked against torchtitan's get_peak_flops (A100 312, H100 SXM 989, PCIe 756, NVL 835, H200 989;
+# it rounds the halves down).
+CUDA_PEAK_TFLOPS: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
+    (("H100 PCIe",), {"bfloat16": 756.5, "float16": 756.5, "tf32": 378.0, "float32": 51.0}),
+    (("H100 NVL",), {"bfloat16": 835.5, "float16": 835.5, "tf32": 417.5, "float32": 60.0}),
+    (("H100",), {"bfloat16": 989.5, "float16": 989.5, "tf32": 494.5, "float32": 67.0}),
+    (("H200 NVL",), {"bfloat16": 835.5, "float16": 835.5, "tf32": 417.5, "float32": 60.0}),
+    (("H200",), {"bfloat16": 989.5, "float16": 989.5, "tf32": 494.5, "float32": 67.0}),
+    (("A100",), {"bfloat16": 312.0, "float16": 312.0, "tf32": 156.0, "float32": 19.5}),
+)
 
 
 class CUDAAccelerator(Accelerator):
@@ -25,3 +44,15 @@ class CUDAAccelerator(Accelerator):
         if torch.cuda.device_count() <= self.index:
             return f"{torch.cuda.device_count()} CUDA device(s) visible, need index {self.index}"
         return None
+
+    def device_name(self) -> str:
+        return torch.cuda.get_device_name(self.index)
+
+    def peak_flops(self, dtype: torch.dtype) -> float | None:
+        precision = str(dtype).removeprefix("torch.")
+        # fp32 matmuls run on tensor cores as TF32 once torch.set_float32_matmul_precision("high")
+        # (or allow_tf32) is set; the peak is then the TF32 one, 7x the plain fp32 rate on H100.
+        if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+            precision = "tf32"
+        tflops = lookup_peak_tflops(CUDA_PEAK_TFLOPS, self.device_name(), precision)
+        return None if tflops is None else tflops * 1e12

@@ -1,0 +1,97 @@
+"""``profile.enabled=true``: a ``torch.profiler`` trace of a window of training steps.
+
+:class:`StepProfiler` is created by ``Trainer.fit`` and told about every finished step. It records
+optimizer steps ``profile.start_step .. start_step + steps - 1`` (1-based, as the progress bar
+counts them) into ``<run_dir>/profile/rank<R>.<timestamp>.pt.trace.json``: a Chrome trace that
+https://ui.perfetto.dev and ``chrome://tracing`` open (and TensorBoard with the torch-tb-profiler
+plugin, which reads this directory layout). The step before
+the window, when there is one, is a profiler warm-up step (traced, then discarded) so that starting
+the tracer does not land in the first recorded step. Outside the window the profiler is idle;
+disabled, the object does nothing at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from portatrain.config import ProfileConfig
+
+logger = logging.getLogger(__name__)
+
+
+class StepProfiler:
+    """Profile the configured step window of one ``fit()`` call.
+
+    Args:
+        cfg: the ``profile`` config group.
+        out_dir: where the trace goes (created when the window is reached).
+        first_step: the optimizer step ``fit()`` starts after (non-zero when resuming).
+        activities: ``torch.profiler`` activities, from ``Accelerator.profiler_activities()``.
+        worker_name: trace file prefix, one per rank.
+    """
+
+    def __init__(
+        self,
+        cfg: ProfileConfig,
+        out_dir: Path,
+        *,
+        first_step: int,
+        activities: list[torch.profiler.ProfilerActivity],
+        worker_name: str,
+    ) -> None:
+        self._profiler: torch.profiler.profile | None = None
+        if not cfg.enabled:
+            return
+        if cfg.start_step < 1 or cfg.steps < 1:
+            from portatrain.config import ConfigError
+
+            raise ConfigError(
+                f"profile.start_step={cfg.start_step} and profile.steps={cfg.steps} must both be >= 1"
+            )
+        # Steps this fit() runs before the window opens.
+        before = cfg.start_step - 1 - first_step
+        if before < 0:
+            logger.warning(
+                "profile: the window starts at step %d but training resumes after step %d; nothing profiled",
+                cfg.start_step,
+                first_step,
+            )
+            return
+        warmup = 1 if before >= 1 else 0
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with warnings.catch_warnings():
+            # torch warns when warmup=0 (window at step 1): the first step then includes tracer start-up.
+            warnings.filterwarnings("ignore", message=".*warmup.*")
+            self._profiler = torch.profiler.profile(
+                activities=activities,
+                schedule=torch.profiler.schedule(
+                    wait=before - warmup, warmup=warmup, active=cfg.steps, repeat=1
+                ),
+                on_trace_ready=torch.profiler.tensorboard_trace_handler(
+                    str(out_dir), worker_name=worker_name
+                ),
+                record_shapes=cfg.record_shapes,
+                profile_memory=cfg.profile_memory,
+                with_stack=cfg.with_stack,
+            )
+            self._profiler.start()
+        logger.info(
+            "profile: recording steps %d-%d into %s", cfg.start_step, cfg.start_step + cfg.steps - 1, out_dir
+        )
+
+    def step(self) -> None:
+        """Call after every optimizer step; saves the trace when the window closes."""
+        if self._profiler is not None:
+            self._profiler.step()
+
+    def close(self) -> None:
+        """Stop the profiler; a window cut short by the end of training is saved as far as it got."""
+        if self._profiler is not None:
+            profiler, self._profiler = self._profiler, None
+            profiler.stop()

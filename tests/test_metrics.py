@@ -1,0 +1,251 @@
+"""Training metrics: FLOPs and MFU arithmetic, peak tables, sinks, profiler, and no extra syncs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from portatrain.accelerators.cpu import CPUAccelerator
+from portatrain.accelerators.cuda import CUDAAccelerator
+from portatrain.accelerators.neuron import NeuronAccelerator
+from portatrain.accelerators.tpu import TPUAccelerator
+from portatrain.metrics import memory_high_water, model_flops, resolve_peak_flops, throughput_metrics
+from portatrain.models.llama.model import LLAMA3_FLAVORS
+from portatrain.trainer import Trainer
+from tests.conftest import TINY, compose_config
+
+TRAIN_FIELDS = {
+    "step",
+    "loss",
+    "grad_norm",
+    "lr",
+    "tokens_seen",
+    "step_time_s",
+    "tokens_per_s",
+    "tokens_per_s_per_device",
+    "tflops_per_device",
+    "mfu",
+    "memory_peak_bytes",
+}
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# -- FLOPs and MFU arithmetic --------------------------------------------------------------------
+def test_flops_per_token_matches_a_hand_count() -> None:
+    """6 x matmul params + 12 x layers x heads x head_dim x seq (PaLM), written out for two flavours."""
+    # debug: dim 128, 4 layers, 4 heads of 32, 2 kv heads, vocab 258, SwiGLU width 384 (2/3 * 512 -> 64s).
+    block = (128 * 128 * 2 + 128 * 64 * 2) + 3 * 128 * 384 + 2 * 128  # q,o + k,v; MLP; 2 norms
+    matmul_params = 4 * block + 128 + 258 * 128  # + final norm + untied output projection
+    assert matmul_params == 820_608
+    assert LLAMA3_FLAVORS["debug"].flops_per_token(256) == 6 * 820_608 + 12 * 4 * 4 * 32 * 256
+    # 8B at 8k: 8,030,261,248 params minus the 128256 x 4096 embedding; 32 layers x 32 heads x 128.
+    expected_8b = 6 * (8_030_261_248 - 128_256 * 4096) + 12 * 32 * 32 * 128 * 8192
+    assert LLAMA3_FLAVORS["8b"].flops_per_token(8192) == expected_8b == 57_914_449_920
+
+
+def test_model_flops_counts_real_tokens_at_each_batch_length() -> None:
+    def fpt(seq_len: int) -> int:
+        return 1000 + seq_len
+
+    full = {"labels": torch.ones(2, 8, dtype=torch.long)}
+    padded = {"labels": torch.tensor([[1, 2, -100, -100], [3, -100, -100, -100]])}
+    assert model_flops([full, padded], fpt) == 16 * 1008 + 3 * 1004
+    assert model_flops([full], None) == 0
+
+
+def test_throughput_and_mfu_arithmetic() -> None:
+    # 4 devices, 2 s for 10 steps, 1e6 tokens at 6e9 FLOPs each = 6e15 FLOPs: 7.5e14 FLOP/s per device.
+    m = throughput_metrics(
+        tokens=1_000_000, flops=6e15, elapsed_s=2.0, steps=10, num_devices=4, peak_flops=989.5e12
+    )
+    assert m["step_time_s"] == pytest.approx(0.2)
+    assert m["tokens_per_s"] == pytest.approx(500_000)
+    assert m["tokens_per_s_per_device"] == pytest.approx(125_000)
+    assert m["tflops_per_device"] == pytest.approx(750.0)
+    assert m["mfu"] == pytest.approx(750 / 989.5)
+    assert (
+        throughput_metrics(tokens=1, flops=1, elapsed_s=1, steps=1, num_devices=1, peak_flops=None)["mfu"]
+        is None
+    )
+
+
+def test_memory_high_water_prefers_the_allocator_peak() -> None:
+    assert memory_high_water({"allocated": 1, "peak_allocated": 5, "reserved": 9}) == 5
+    assert memory_high_water({"rss": 3, "peak_rss": 7}) == 7
+    assert memory_high_water({}) is None
+
+
+# -- peak tables ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("name", "dtype", "tflops"),
+    [
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.5),  # SXM
+        ("NVIDIA H100 PCIe", torch.bfloat16, 756.5),
+        ("NVIDIA H100 NVL", torch.bfloat16, 835.5),
+        ("NVIDIA H200", torch.bfloat16, 989.5),
+        ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312.0),
+        ("NVIDIA A100 80GB PCIe", torch.float16, 312.0),
+        ("NVIDIA H100 80GB HBM3", torch.float32, 67.0),  # no TF32: the plain fp32 rate
+        ("NVIDIA GeForce RTX 4090", torch.bfloat16, None),
+    ],
+)
+def test_cuda_peak_by_device_name(monkeypatch, name: str, dtype: torch.dtype, tflops: float | None) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: name)
+    peak = CUDAAccelerator(0).peak_flops(dtype)
+    assert peak == (None if tflops is None else pytest.approx(tflops * 1e12))
+
+
+def test_cuda_fp32_peak_is_tf32_when_tf32_is_enabled(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA A100-SXM4-40GB")
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    assert CUDAAccelerator(0).peak_flops(torch.float32) == pytest.approx(156e12)
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "dtype", "tflops"),
+    [
+        ("PORTATRAIN_TPU_CHIP", "v5e", torch.bfloat16, 197.0),
+        ("PORTATRAIN_TPU_CHIP", "v5p", torch.bfloat16, 459.0),
+        ("PORTATRAIN_TPU_CHIP", "v6e", torch.bfloat16, 918.0),
+        ("TPU_ACCELERATOR_TYPE", "v5litepod-16", torch.bfloat16, 197.0),
+        ("PORTATRAIN_TPU_CHIP", "v6e", torch.float32, None),  # no published fp32 matmul rate
+        ("PORTATRAIN_TPU_CHIP", "v4", torch.bfloat16, None),
+        (None, None, torch.bfloat16, None),
+    ],
+)
+def test_tpu_peak_by_chip(monkeypatch, env, value, dtype, tflops) -> None:
+    monkeypatch.delenv("PORTATRAIN_TPU_CHIP", raising=False)
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
+    if env:
+        monkeypatch.setenv(env, value)
+    peak = TPUAccelerator(0).peak_flops(dtype)
+    assert peak == (None if tflops is None else pytest.approx(tflops * 1e12))
+
+
+@pytest.mark.parametrize(
+    ("chip", "dtype", "tflops"),
+    [
+        ("trn1", torch.bfloat16, 190.0),
+        ("trn2", torch.bfloat16, 667.0),
+        ("trn2", torch.float32, 181.0),
+        (None, torch.bfloat16, None),
+    ],
+)
+def test_neuron_peak_by_chip(monkeypatch, chip, dtype, tflops) -> None:
+    monkeypatch.delenv("PORTATRAIN_NEURON_CHIP", raising=False)
+    if chip:
+        monkeypatch.setenv("PORTATRAIN_NEURON_CHIP", chip)
+    peak = NeuronAccelerator(0).peak_flops(dtype)
+    assert peak == (None if tflops is None else pytest.approx(tflops * 1e12))
+
+
+def test_cpu_peak_is_measured_once_and_override_wins() -> None:
+    cpu = CPUAccelerator(0)
+    first = cpu.peak_flops(torch.float32)
+    assert first is not None and 1e8 < first < 1e14  # between 0.1 GFLOP/s and 100 TFLOP/s
+    assert cpu.peak_flops(torch.float32) == first  # cached: the same measurement
+    peak, source = resolve_peak_flops(cpu, torch.float32, override_tflops=2.5)
+    assert peak == pytest.approx(2.5e12) and "metrics.peak_tflops" in source
+
+
+# -- the Trainer's records -----------------------------------------------------------------------
+class _CountingCPU(CPUAccelerator):
+    def __init__(self, index: int = 0) -> None:
+        super().__init__(index)
+        self.syncs = 0
+        self.memory_reads = 0
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+
+    def memory_stats(self) -> dict[str, int]:
+        self.memory_reads += 1
+        return super().memory_stats()
+
+
+def test_jsonl_records_have_the_fields_and_count_real_tokens(tmp_path: Path) -> None:
+    """Padded batches (pad_to_max): tokens are label positions, FLOPs follow; syncs only at log steps."""
+    seen: list[dict] = []
+
+    class Recording(Trainer):
+        def on_step_end(self, step: int, metrics: dict) -> None:
+            seen.append({"tokens": metrics["tokens"], "flops": metrics["flops"]})
+
+    accelerator = _CountingCPU()
+    cfg = compose_config(TINY + ["data.collator=pad_to_max", "trainer.log_every=2"], run_dir=tmp_path)
+    trainer = Recording(cfg, accelerator=accelerator)
+    trainer.fit()
+    trainer.close()
+
+    records = _records(tmp_path)
+    assert [r["step"] for r in records] == [2, 4]
+    for record in records:
+        assert record.keys() >= TRAIN_FIELDS
+        assert record["mfu"] > 0 and record["memory_peak_bytes"] > 0 and record["step_time_s"] > 0
+        assert record["tokens_per_s"] == pytest.approx(record["tokens_per_s_per_device"])
+    # Real tokens, not padding: fewer than batch x seq_len positions, and what the log counted.
+    positions = 4 * 64
+    assert all(0 < s["tokens"] <= positions for s in seen)
+    assert sum(s["tokens"] for s in seen) < 4 * positions
+    assert records[-1]["tokens_seen"] == sum(s["tokens"] for s in seen)
+    fpt = LLAMA3_FLAVORS["debug"].flops_per_token(64)
+    assert [s["flops"] for s in seen] == [s["tokens"] * fpt for s in seen]
+    # MFU is the window's FLOPs over its time and the peak; the window is 2 steps.
+    window = sum(s["flops"] for s in seen[2:])
+    expected_mfu = window / (2 * records[-1]["step_time_s"]) / trainer.peak_flops
+    assert records[-1]["mfu"] == pytest.approx(expected_mfu, rel=1e-6)
+    # No host sync, no memory read on the steps between logs.
+    assert accelerator.syncs == 2 and accelerator.memory_reads == 2
+
+
+def test_tensorboard_event_file_has_the_scalars(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = Trainer(compose_config(TINY + ["metrics.tensorboard=true"], run_dir=tmp_path))
+    trainer.fit()
+    trainer.close()
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1
+    acc = EventAccumulator(str(events[0]))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/mfu", "train/tokens_per_s", "memory/memory_peak_bytes"} <= tags
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4]
+
+
+def test_no_tensorboard_dir_unless_enabled(tmp_path: Path) -> None:
+    trainer = Trainer(compose_config(TINY + ["trainer.steps=1"], run_dir=tmp_path))
+    trainer.fit()
+    trainer.close()
+    assert not (tmp_path / "tensorboard").exists()
+    assert not (tmp_path / "profile").exists()
+
+
+def test_profiler_writes_a_trace_of_the_window(tmp_path: Path) -> None:
+    overrides = ["profile.enabled=true", "profile.start_step=2", "profile.steps=2", "trainer.steps=5"]
+    trainer = Trainer(compose_config(TINY + overrides, run_dir=tmp_path))
+    trainer.fit()
+    trainer.close()
+    traces = list((tmp_path / "profile").glob("rank0.*.pt.trace.json"))
+    assert len(traces) == 1
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
+    assert len(steps) == 2  # exactly the two steps of the window
+    assert any("aten::mm" in e.get("name", "") or "aten::addmm" in e.get("name", "") for e in events)
+
+
+def test_profile_window_must_be_positive(tmp_path: Path) -> None:
+    from portatrain.config import ConfigError
+
+    trainer = Trainer(compose_config(TINY + ["profile.enabled=true", "profile.steps=0"], run_dir=tmp_path))
+    try:
+        with pytest.raises(ConfigError, match=r"profile.steps=0"):
+            trainer.fit()
+    finally:
+        trainer.close()
