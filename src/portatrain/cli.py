@@ -15,6 +15,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
 from portatrain.accelerators import DeviceUnavailableError
+from portatrain.checkpoint import CheckpointError
+from portatrain.compile import RecompileError
 from portatrain.config import ConfigError, register_configs, validate
 
 
@@ -34,11 +36,51 @@ def _dry_run(cfg: DictConfig) -> None:
     print(describe_plan(cfg))
 
 
-COMMANDS: dict[str, Callable[[DictConfig], None]] = {"train": _train}
+def _bench(cfg: DictConfig) -> None:
+    from portatrain.bench import run_bench
+
+    run_bench(cfg)
+
+
+def _export(cfg: DictConfig) -> None:
+    from portatrain.export import export_command
+
+    export_command(cfg)
+
+
+def _render(cfg: DictConfig) -> None:
+    from portatrain.launch import render_command
+
+    render_command(cfg, HydraConfig.get().overrides.task)
+
+
+def _submit(cfg: DictConfig) -> None:
+    from portatrain.launch import submit_command
+
+    submit_command(cfg, HydraConfig.get().overrides.task)
+
+
+COMMANDS: dict[str, Callable[[DictConfig], None]] = {
+    "train": _train,
+    "bench": _bench,
+    "export": _export,
+    "render": _render,  # a SLURM/Kubernetes job for this config (portatrain.launch)
+    "submit": _submit,  # ... written to the run directory and handed to sbatch / kubectl
+}
 """Subcommand name -> function of the composed config."""
 
+SHORTHANDS: dict[str, dict[str, str]] = {"export": {"checkpoint": "export.checkpoint", "out": "export.out"}}
+"""Bare keys a subcommand reads from its own section: ``portatrain export checkpoint=X out=Y``
+(``checkpoint`` alone would select a file of the ``checkpoint`` config group)."""
+
 # Errors that are the user's to fix: print one message, no traceback.
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, DeviceUnavailableError, FileNotFoundError)
+USER_ERRORS: tuple[type[Exception], ...] = (
+    ConfigError,
+    DeviceUnavailableError,
+    FileNotFoundError,
+    CheckpointError,
+    RecompileError,
+)
 
 
 def config_dir() -> str:
@@ -70,11 +112,17 @@ def _quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
+def _expand_shorthand(command: str, arg: str) -> str:
+    key, sep, value = arg.partition("=")
+    return f"{SHORTHANDS[command][key]}={value}" if sep and key in SHORTHANDS.get(command, {}) else arg
+
+
 def main(trainer_cls: type | None = None) -> None:
     """Entry point. Research code passes its ``Trainer`` subclass: ``main(trainer_cls=MyTrainer)``."""
     command = "train"
     if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
         command = sys.argv.pop(1)
+    sys.argv[1:] = [_expand_shorthand(command, arg) for arg in sys.argv[1:]]
     register_configs()
     _quiet_known_warnings()
 

@@ -36,7 +36,8 @@ class ModelConfig:
     max_seq_len: int | None = None
     """Override the flavour's RoPE table length."""
     init_from: str | None = None
-    """Path to a Hugging Face Llama directory (safetensors) to initialize weights from."""
+    """Local Hugging Face Llama directory (``config.json`` + safetensors) to initialize the weights
+    from; each rank reads only its slices. Ignored when resuming from a checkpoint."""
     init_std: float = 0.02
     """Standard deviation of the truncated-normal weight init."""
 
@@ -112,19 +113,65 @@ class TrainerConfig:
 
 
 @dataclass
+class LaunchConfig:
+    """The job's shape across hosts and the scheduler it is rendered for (``portatrain render|submit``).
+
+    Outside torchrun, the parallel layout is validated against ``nodes * procs_per_node`` processes.
+    """
+
+    scheduler: str = "slurm"
+    """``slurm`` (sbatch script: ``srun torchrun``), ``jobset`` (Kubernetes JobSet, TPU slices) or
+    ``pytorchjob`` (Kubeflow PyTorchJob, GPU or Trainium nodes)."""
+    nodes: int = 1
+    """Hosts in the job."""
+    procs_per_node: int = 1
+    """Training processes per host, one per device: GPUs, Neuron cores or TPU chips per host."""
+    job_name: str | None = None
+    """Scheduler job name; default ``portatrain-<recipe>``."""
+    rdzv_port: int = 29500
+    """TCP port of torchrun's c10d rendezvous on the head node."""
+    output: str | None = None
+    """File ``render`` writes (default: stdout); ``submit`` writes ``<run_dir>/job.sbatch|job.yaml``."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run on every host before torchrun (``module load ...``, ``source venv/bin/activate``)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables for the training processes."""
+    partition: str | None = None
+    """SLURM partition."""
+    account: str | None = None
+    """SLURM account."""
+    time: str | None = None
+    """SLURM time limit, e.g. ``24:00:00``."""
+    image: str | None = None
+    """Container image with portatrain installed (Kubernetes schedulers; required there)."""
+    namespace: str = "default"
+    """Kubernetes namespace."""
+    tpu_accelerator: str = "tpu-v5p-slice"
+    """GKE node selector ``cloud.google.com/gke-tpu-accelerator`` (jobset)."""
+    tpu_topology: str = "2x2x2"
+    """GKE node selector ``cloud.google.com/gke-tpu-topology`` (jobset)."""
+
+
+@dataclass
 class ParallelConfig:
     dp_replicate: int = 1
     """Data-parallel replicas (HSDP replicate dimension)."""
     dp_shard: int = -1
     """FSDP shard dimension; -1 infers it from the world size."""
     tp: int = 1
-    """Tensor-parallel degree."""
+    """Tensor-parallel degree (with sequence parallel: row lengths must be multiples of it)."""
     activation_checkpointing: str = "none"
     """``none``, ``full`` or ``selective``."""
     param_dtype: str | None = None
     """FSDP2 MixedPrecisionPolicy parameter dtype; default bf16 on accelerators, fp32 on CPU."""
     reduce_dtype: str = "float32"
     """FSDP2 gradient reduction dtype."""
+    init_full_tensors: bool = True
+    """Initialize each sharded parameter by drawing the full tensor on every rank and keeping the local
+    shard: weights equal the 1-device run's for any layout, at the cost of one transient full
+    parameter per rank (4.2 GB fp32 for Llama 70B's embedding). False draws local shards only."""
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """Job shape and scheduler settings (see :class:`LaunchConfig`)."""
 
 
 @dataclass
@@ -132,49 +179,87 @@ class CompileConfig:
     enabled: bool = False
     """Apply ``torch.compile`` per transformer block with the accelerator's compiler."""
     backend: str | None = None
-    """Override the adapter's compile backend."""
+    """Override the adapter's compile backend (``inductor`` on cpu/cuda, the vendor's on tpu/neuron);
+    e.g. ``eager`` or ``aot_eager`` to debug dynamo without a code generator."""
     dynamic: bool | None = None
-    """Dynamic shapes; default: False where the backend wants static shapes."""
+    """Dynamic shapes. Default: False where the adapter wants static shapes (tpu, neuron), else
+    torch's default (static first, dynamic after a shape changes)."""
     warmup: bool = False
-    """Compile every bucket shape before step 1 and report per-bucket cold-start time."""
+    """Compile every shape of ``data.loader.batch_shapes`` (one per bucket) before step 1, log the
+    per-shape cold-start time, then arm the recompile guard."""
     on_recompile: str = "error"
-    """After warm-up, an unexpected recompile ``error``s or ``warn``s."""
+    """After warm-up, an unexpected recompile ``error``s (stops before compiling, naming the shape and
+    the failed guard) or ``warn``s (logs the same, compiles and continues)."""
 
 
 @dataclass
 class CheckpointConfig:
     enabled: bool = True
+    """Save checkpoints (and on SIGTERM, save one at the next step boundary and stop)."""
     every: int = 0
     """Save every N steps (0: only at the end)."""
     keep: int = 3
-    """Keep the last K complete checkpoints."""
+    """Keep the last K complete checkpoints (0 keeps all)."""
     resume: str = "none"
-    """``none``, ``auto`` (newest complete checkpoint in the run dir) or a checkpoint path."""
+    """``none`` (a new run; fails if the run dir already holds checkpoints), ``auto`` (the newest
+    complete checkpoint in ``<run_dir>/checkpoints``, or step 0 if there is none) or the path of a
+    ``step_N`` checkpoint directory."""
     final: bool = True
     """Save at the end of training."""
+    restore_data: bool = True
+    """On resume, continue the saved data order exactly. ``false`` starts a fresh data order
+    (epoch 0), e.g. after changing ``data.batch_size * data-parallel ranks``."""
+
+
+@dataclass
+class ExportConfig:
+    """``portatrain export checkpoint=PATH|auto out=DIR``: a checkpoint -> a Hugging Face model directory."""
+
+    checkpoint: str = "auto"
+    """A ``step_N`` checkpoint directory, or ``auto``: the newest complete one under ``run_dir``."""
+    out: str | None = None
+    """Directory to write (must not exist yet): ``config.json``, safetensors shards and their index."""
+    max_shard_size: str = "5GB"
+    """Largest safetensors file, as ``5GB``, ``500MB``, ``2GiB`` or a number of bytes."""
+    dtype: str = "float32"
+    """Dtype of the exported weights: ``float32`` (as trained, lossless) or ``bfloat16``."""
 
 
 @dataclass
 class MetricsConfig:
     jsonl: bool = True
+    """Append every log record to ``<run_dir>/metrics.jsonl``."""
     tensorboard: bool = False
+    """Also write TensorBoard scalars to ``<run_dir>/tensorboard`` (needs the ``tensorboard`` package)."""
     peak_tflops: float | None = None
-    """Override the peak-FLOPs table for MFU (TFLOP/s per device)."""
+    """Dense peak TFLOP/s of one device for MFU, overriding the accelerator adapter's datasheet table
+    (or, on CPU, its measured matmul peak). Set it for hardware the table does not know."""
 
 
 @dataclass
 class ProfileConfig:
     enabled: bool = False
+    """Record a ``torch.profiler`` trace of a window of steps into ``<run_dir>/profile/`` (every rank)."""
     start_step: int = 5
+    """First profiled optimizer step (1-based); leave compilation and allocator warm-up before it."""
     steps: int = 3
+    """Number of consecutive steps profiled."""
+    record_shapes: bool = True
+    """Record operator input shapes."""
+    profile_memory: bool = False
+    """Track tensor allocations (slower; shows the memory timeline)."""
+    with_stack: bool = False
+    """Record Python stacks of each op (much larger traces)."""
 
 
 @dataclass
 class BenchConfig:
     warmup_steps: int = 10
+    """Steps after the first (cold-start) step that run but are not measured."""
     steps: int = 100
+    """Steady-state steps measured after the warm-up."""
     price_per_hour: float | None = None
-    """Hourly instance price (USD) for cost per million tokens."""
+    """Hourly price (USD) of all the hardware the job runs on, for the cost per million tokens."""
 
 
 @dataclass
@@ -200,6 +285,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
@@ -224,10 +310,18 @@ def run_id() -> str:
 _STARTED_AT = time.strftime("%Y%m%d-%H%M%S")
 
 
+def default_run_dir(run_dir: str | None, recipe: str) -> str:
+    """Hydra's run directory: ``run_dir`` when given (so Hydra creates no second folder), else
+    ``runs/<recipe>/<run id>``."""
+    return run_dir if run_dir else f"runs/{recipe}/{run_id()}"
+
+
 def register_configs() -> None:
     """Register the typed schema as ``base_config`` and the ``portatrain_run_id`` resolver."""
     if not OmegaConf.has_resolver("portatrain_run_id"):
         OmegaConf.register_new_resolver("portatrain_run_id", run_id)
+    if not OmegaConf.has_resolver("portatrain_run_dir"):
+        OmegaConf.register_new_resolver("portatrain_run_dir", default_run_dir)
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
 
@@ -242,6 +336,7 @@ _CHOICES = {
     "trainer.dtype": ("auto", "float32", "bfloat16"),
     "parallel.activation_checkpointing": ("none", "full", "selective"),
     "compile.on_recompile": ("error", "warn"),
+    "export.dtype": ("float32", "bfloat16"),
 }
 
 
@@ -306,11 +401,16 @@ def validate(cfg: Any) -> None:
         )
     if len(cfg.optim.betas) != 2:
         problems.append(f"optim.betas={list(cfg.optim.betas)} must have two values, e.g. [0.9, 0.95]")
+    if cfg.compile.warmup and not cfg.compile.enabled:
+        problems.append("compile.warmup=true needs compile.enabled=true (nothing to warm up otherwise)")
     unknown_kernels = [k for k in cfg.kernels.enabled if k not in KNOWN_KERNELS]
     if unknown_kernels:
         problems.append(
             f"kernels.enabled={list(cfg.kernels.enabled)}: unknown kernel(s) {unknown_kernels}; "
             f"available: {', '.join(KNOWN_KERNELS) or 'none yet'} (see kernels/README.md)"
         )
+    from portatrain.parallel.parallel_dims import parallel_problems
+
+    problems += parallel_problems(cfg)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

@@ -45,13 +45,15 @@ def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, decay: str, min
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
+    # Read the config once: fn runs every step, and a DictConfig attribute read costs ~10 us.
+    schedule = {
+        "warmup_steps": int(cfg.warmup_steps),
+        "total_steps": int(total_steps),
+        "decay": str(cfg.decay),
+        "min_lr_ratio": float(cfg.min_lr_ratio),
+    }
+
     def fn(step: int) -> float:
-        return lr_lambda(
-            step,
-            warmup_steps=cfg.warmup_steps,
-            total_steps=total_steps,
-            decay=cfg.decay,
-            min_lr_ratio=cfg.min_lr_ratio,
-        )
+        return lr_lambda(step, **schedule)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

@@ -15,6 +15,8 @@ Hooks (override in a subclass; each has one job):
     One optimizer step over ``grad_accum`` micro-batches; returns metrics of the step.
 ``evaluate()``
     Mean loss over ``trainer.eval_batches`` held-out batches.
+``warmup()``
+    With ``compile.warmup``: compile every batch shape before step 1, then arm the recompile guard.
 ``on_step_end(step, metrics)`` / ``on_eval_end(step, metrics)``
     Callbacks after each optimizer step / evaluation (default: nothing).
 
@@ -37,15 +39,38 @@ from torch import nn
 from tqdm import tqdm
 
 from portatrain.accelerators import Accelerator, resolve_accelerator
-from portatrain.checkpoint import Checkpointer
+from portatrain.checkpoint import (
+    Checkpointer,
+    PreemptionWatcher,
+    load_dataloader_state,
+    load_hf_weights,
+    model_args_dict,
+    resolve_resume,
+)
+from portatrain.compile import CompileMonitor, warmup_batches
 from portatrain.config import Config
 from portatrain.data.documents import load_documents
 from portatrain.data.loader import build_dataloader
 from portatrain.data.tokenizer import build_tokenizer
 from portatrain.distributed import destroy_distributed, dist_info_from_env, init_distributed
-from portatrain.metrics import MetricsLogger
+from portatrain.metrics import (
+    MetricsLogger,
+    memory_metrics,
+    model_flops,
+    progress_postfix,
+    resolve_peak_flops,
+    throughput_metrics,
+)
 from portatrain.models import build_model
 from portatrain.optim import build_lr_scheduler, build_optimizer
+from portatrain.parallel import (
+    ParallelDims,
+    clip_grad_norm_,
+    dp_all_reduce,
+    full_tensor_init,
+    parallelize_model,
+)
+from portatrain.profiling import StepProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -59,18 +84,23 @@ class Trainer:
         index = cfg.device.index if cfg.device.index is not None else self.dist.local_rank
         self.accelerator = accelerator or resolve_accelerator(cfg.device.type, index)
         self.accelerator.set_device()
+        # The layout is checked against the real world size before anything is built (ConfigError).
+        self.parallel_dims = ParallelDims.from_config(cfg.parallel, world_size=self.dist.world_size)
         init_distributed(self.accelerator, self.dist)
         self.device = self.accelerator.device
         self.dtype = (
             self.accelerator.default_dtype if cfg.trainer.dtype == "auto" else _DTYPES[cfg.trainer.dtype]
         )
-        # Data parallelism over all ranks until a mesh says otherwise.
-        self.dp_rank, self.dp_world_size = self.dist.rank, self.dist.world_size
+        self.parallel_dims.build_mesh(self.accelerator.device_type)
+        self.dp_rank, self.dp_world_size = self.parallel_dims.dp_rank, self.parallel_dims.dp
 
         self.run_dir = Path(cfg.run_dir)
+        # Before anything is built or written: find the checkpoint to resume, refuse another run's dir.
+        self.resume_from = resolve_resume(
+            cfg.checkpoint.resume, self.run_dir / "checkpoints", recipe=cfg.recipe
+        )
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
         self.accelerator.manual_seed(cfg.trainer.seed)
         if cfg.trainer.deterministic:
@@ -90,13 +120,38 @@ class Trainer:
             model = self.build_model()
         self.model = self._materialize(self.parallelize(model))
         self.optimizer = build_optimizer(self.model, cfg.optim, fused=self.accelerator.fused_adamw)
+        # Read here, not per step: a DictConfig attribute read costs ~10 us.
+        self._max_grad_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optim, cfg.trainer.steps)
         self.checkpointer = Checkpointer(
-            self.run_dir / "checkpoints", keep=cfg.checkpoint.keep, is_main=self.dist.is_main
+            self.run_dir / "checkpoints",
+            keep=cfg.checkpoint.keep,
+            every=cfg.checkpoint.every,
+            is_main=self.dist.is_main,
         )
-        self.metrics = MetricsLogger(self.run_dir, enabled=self.dist.is_main, jsonl=cfg.metrics.jsonl)
+        self.preemption = PreemptionWatcher()
+        self.preempted = False
+        self.metrics = MetricsLogger(
+            self.run_dir,
+            enabled=self.dist.is_main,
+            jsonl=cfg.metrics.jsonl,
+            tensorboard=cfg.metrics.tensorboard,
+        )
+        # MFU = the architecture's FLOPs per real token over the device's peak (CPU: measured, cached).
+        self.flops_per_token = getattr(model, "flops_per_token", None)
+        self.peak_flops, self.peak_flops_source = resolve_peak_flops(
+            self.accelerator, self.dtype, cfg.metrics.peak_tflops
+        )
         self.step = 0
         self.tokens_seen = 0
+        self.compile_monitor = CompileMonitor(cfg.compile)  # graph counts, recompile guard
+        if self.resume_from is not None:
+            self.load_checkpoint(self.resume_from)
+        elif cfg.model.init_from:
+            load_hf_weights(self.model, cfg.model.init_from)
+        # Written after the load: a resume that fails leaves the run directory as it was.
+        if self.dist.is_main:
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     # -- hooks -----------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
@@ -104,8 +159,11 @@ class Trainer:
         return build_model(self.cfg.model)
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        """Apply parallelism and compilation to the meta model (single device: nothing to apply)."""
-        return model
+        """Apply TP -> activation checkpointing -> compile -> FSDP2 to the meta model, per the model
+        family's ``parallelize.py`` and ``cfg.parallel`` (one process: checkpointing/compile only)."""
+        return parallelize_model(
+            model, self.cfg, self.parallel_dims, accelerator=self.accelerator, compute_dtype=self.dtype
+        )
 
     def compute_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Sum of next-token cross-entropy over positions whose label is not -100."""
@@ -156,8 +214,55 @@ class Trainer:
         loss_sum, count = self._all_reduce_sum(loss_sum), self._all_reduce_sum(torch.tensor(float(count)))
         return {"eval_loss": (loss_sum / count.clamp(min=1)).item()}
 
+    def warmup(self) -> list[dict[str, Any]]:
+        """Compile every shape of ``batch_shapes(cfg.data)`` before step 1 and arm the recompile guard.
+
+        Runs :meth:`forward_backward` (and, when evaluation is on, an eval-mode ``no_grad`` forward)
+        on a synthetic batch of each shape whose every label is valid. The optimizer does not step,
+        gradients are cleared and the RNG state restored: training then sees the same weights, data
+        and randomness as without warm-up. Returns per-shape cold-start times (logged and written
+        to the metrics). See ``portatrain.compile``.
+        """
+        rng, start = self.accelerator.get_rng_state(), time.perf_counter()
+        batches = warmup_batches(
+            self.cfg.data, pad_id=self.tokenizer.pad_id, vocab_size=self.tokenizer.vocab_size
+        )
+
+        def train(batch: dict[str, torch.Tensor]) -> None:
+            self.forward_backward(batch, (batch["labels"] != -100).sum().float())
+
+        @torch.no_grad()
+        def evaluate(batch: dict[str, torch.Tensor]) -> None:
+            self.model.eval()
+            with self._autocast():
+                self.model(
+                    batch["input_ids"], positions=batch.get("positions"), attn_mask=batch.get("attn_mask")
+                )
+            self.model.train()
+
+        records = self.compile_monitor.warm_up(
+            [self._to_device(b) for b in batches],
+            train=train,
+            evaluate=evaluate if self.cfg.trainer.eval_every and self.eval_documents else None,
+            synchronize=self.accelerator.synchronize,
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        self.accelerator.set_rng_state(rng)
+        total = round(time.perf_counter() - start, 3)
+        logger.info("compile warm-up: %d shape(s) in %.1f s", len(records), total)
+        self.metrics.log(
+            {
+                "step": self.step,
+                "compile_warmup": records,
+                "compile_warmup_s": total,
+                **self.compile_monitor.metrics(),
+            }
+        )
+        return records
+
     def on_step_end(self, step: int, metrics: dict[str, Any]) -> None:
-        """Called after every optimizer step with that step's metrics (device tensors where cheap)."""
+        """Called after every optimizer step with that step's metrics (device tensors where cheap;
+        ``tokens`` and ``flops`` are this rank's real tokens and model FLOPs, host integers)."""
 
     def on_eval_end(self, step: int, metrics: dict[str, float]) -> None:
         """Called after every evaluation."""
@@ -181,6 +286,9 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train for ``trainer.steps`` optimizer steps; return the last logged metrics."""
         cfg = self.cfg.trainer
+        if OmegaConf.is_config(cfg) and OmegaConf.get_type(cfg) is not dict:
+            # A plain dataclass copy: the loop reads it every step; a DictConfig read costs ~10 us.
+            cfg = OmegaConf.to_object(cfg)
         data_iter = iter(self.train_loader)
         bar = tqdm(
             total=cfg.steps,
@@ -191,68 +299,137 @@ class Trainer:
             dynamic_ncols=True,
         )
         last: dict[str, Any] = {}
-        window_tokens, window_start = 0, time.perf_counter()
+        window_tokens, window_flops, window_steps, window_start = 0, 0, 0, time.perf_counter()
+        profiler = StepProfiler(
+            self.cfg.profile,
+            self.run_dir / "profile",
+            first_step=self.step,
+            activities=self.accelerator.profiler_activities(),
+            worker_name=f"rank{self.dist.rank}",
+        )
+        checkpointing = self.cfg.checkpoint.enabled  # read once, not per step
+        if checkpointing:
+            self.preemption.install()  # SIGTERM: save at the next step boundary, then stop
+        if self.cfg.compile.enabled and self.cfg.compile.warmup and self.step < cfg.steps:
+            self.warmup()
+            window_start = time.perf_counter()  # compilation is reported apart from throughput
         while self.step < cfg.steps:
             batches = [next(data_iter) for _ in range(cfg.grad_accum)]
-            metrics = self.train_step(batches)
+            with self.compile_monitor.watch(batches):
+                metrics = self.train_step(batches)
             self.step += 1
+            metrics.setdefault("flops", model_flops(batches, self.flops_per_token))  # host-side count
             window_tokens += metrics["tokens"]
+            window_flops += metrics["flops"]
+            window_steps += 1
             self.on_step_end(self.step, metrics)
-            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+            profiler.step()
+            stop = self.preemption.should_stop()  # agreed by all ranks
+            save_now = checkpointing and (stop or self.checkpointer.due(self.step))
+            if self.step % cfg.log_every == 0 or self.step == cfg.steps or save_now:
                 self.accelerator.synchronize()
                 elapsed = time.perf_counter() - window_start
-                window_tokens = int(
-                    self._all_reduce_sum(torch.tensor(float(window_tokens), device=self.device))
-                )
+                window = torch.tensor([float(window_tokens), float(window_flops)], device=self.device)
+                window_tokens, window_flops = (int(x) for x in self._all_reduce_sum(window).tolist())
                 self.tokens_seen += window_tokens
                 last = {
                     "step": self.step,
-                    "loss": float(self._all_reduce_mean(metrics["loss"])),
+                    # Each rank's loss is its token sum over the GLOBAL token count: sum, not mean.
+                    "loss": float(self._all_reduce_sum(metrics["loss"])),
                     "grad_norm": float(metrics["grad_norm"]),
                     "lr": self.lr_scheduler.get_last_lr()[0],
-                    "tokens_per_s": window_tokens / elapsed,
                     "tokens_seen": self.tokens_seen,
+                    **throughput_metrics(
+                        tokens=window_tokens,
+                        flops=window_flops,
+                        elapsed_s=elapsed,
+                        steps=window_steps,
+                        num_devices=self.dist.world_size,
+                        peak_flops=self.peak_flops,
+                    ),
+                    **memory_metrics(self.accelerator.memory_stats()),
+                    **self.compile_monitor.metrics(),
                 }
                 self.metrics.log(last)
-                bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:,.0f}")
-                window_tokens, window_start = 0, time.perf_counter()
+                bar.set_postfix(progress_postfix(last))
+                window_tokens, window_flops, window_steps, window_start = 0, 0, 0, time.perf_counter()
             if (
                 cfg.eval_every
                 and (self.step % cfg.eval_every == 0 or self.step == cfg.steps)
                 and self.eval_documents
             ):
-                eval_metrics = self.evaluate()
+                with self.compile_monitor.watch(what="evaluation"):
+                    eval_metrics = self.evaluate()
                 self.metrics.log({"step": self.step, **eval_metrics})
                 last.update(eval_metrics)
                 self.on_eval_end(self.step, eval_metrics)
                 window_start = time.perf_counter()  # evaluation time is not training throughput
+            if save_now:
+                self.save_checkpoint()
+                window_start = time.perf_counter()
             bar.update(1)
+            if stop:
+                self.preempted = True
+                logger.warning("stopped at step %d on request; resume with checkpoint.resume=auto", self.step)
+                break
         bar.close()
-        if self.cfg.checkpoint.enabled and self.cfg.checkpoint.final:
+        profiler.close()
+        self.preemption.uninstall()
+        final = self.cfg.checkpoint.enabled and self.cfg.checkpoint.final and not self.preempted
+        if final and self.checkpointer.last_step != self.step:
             self.save_checkpoint()
         return last
 
     def save_checkpoint(self) -> Path:
-        extra = {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "lr_scheduler": self.lr_scheduler.state_dict(),
-            "dataloader": self.train_loader.state_dict(),
-        }
-        path = self.checkpointer.save(self.step, self.model, self.optimizer, extra)
-        logger.info("saved checkpoint %s", path)
+        """Save everything a resume needs (collective; see ``portatrain.checkpoint`` for the layout)."""
+        path = self.checkpointer.save(
+            self.step,
+            model=self.model,
+            optimizer=self.optimizer,
+            state={
+                "step": self.step,
+                "tokens_seen": self.tokens_seen,
+                "lr_scheduler": self.lr_scheduler.state_dict(),
+                "recipe": self.cfg.recipe,
+                "model_args": model_args_dict(self.model),
+                "tokenizer": self.cfg.data.tokenizer,
+                "dp_world_size": self.dp_world_size,
+            },
+            dataloader_state=self.train_loader.state_dict(),
+            rng_state=self.accelerator.get_rng_state(),
+            config_yaml=OmegaConf.to_yaml(self.cfg, resolve=True),
+        )
+        if self.dist.is_main:
+            logger.info("saved checkpoint %s", path)
         return path
 
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore model, optimizer, LR schedule, data position, RNG and counters from ``path``."""
+        state, loader_state, rng_state = self.checkpointer.load(
+            path, model=self.model, optimizer=self.optimizer, rng_template=self.accelerator.get_rng_state()
+        )
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if loader_state is not None and self.cfg.checkpoint.restore_data:
+            load_dataloader_state(self.train_loader, loader_state, path)
+        if rng_state is not None:
+            self.accelerator.set_rng_state(rng_state)
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        if self.dist.is_main:
+            logger.info("resumed from %s at step %d", path, self.step)
+
     def close(self) -> None:
+        self.compile_monitor.close()
+        self.preemption.uninstall()
         self.metrics.close()
         destroy_distributed()
 
     # -- internals -------------------------------------------------------------------------
     def _materialize(self, model: nn.Module) -> nn.Module:
-        """Allocate the meta model on the device and initialize it (same seed on every rank)."""
+        """Allocate the meta model on the device and initialize it (same seed on every rank; sharded
+        parameters get their slice of the single-device weights, see ``full_tensor_init``)."""
         model.to_empty(device=self.device)
         torch.manual_seed(self.cfg.trainer.seed)
-        with torch.no_grad():
+        with torch.no_grad(), full_tensor_init(self.cfg.parallel.init_full_tensors):
             model.init_weights(self.cfg.model.init_std)
         return model.train()
 
@@ -265,12 +442,12 @@ class Trainer:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def _all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        return value
+        """Sum over the data-parallel ranks (tp ranks of one dp group hold the same value)."""
+        return dp_all_reduce(value.to(self.device), self.parallel_dims, "sum")
 
     def _all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
-        return value
+        return dp_all_reduce(value.to(self.device), self.parallel_dims, "mean")
 
     def _clip_gradients(self) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return clip_grad_norm_(params, self._max_grad_norm)  # one global norm across FSDP/TP meshes
