@@ -1,7 +1,7 @@
 """Static shapes, measured: how four ways of batching variable-length documents fare under a compiler
 that builds one graph per input shape (``torch.compile(dynamic=False)``, as XLA and Neuron do).
 
-    python scripts/bench_shapes.py            # about 8 minutes on 2 CPU cores
+    python scripts/bench_shapes.py            # about 5 minutes on 2 idle CPU cores
 
 On one long-tailed corpus (document lengths log-normal, clipped to 16..2048 positions), the debug
 Llama is trained for one epoch, compiled per block with inductor and ``dynamic=False``, with:
@@ -31,6 +31,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -160,6 +161,7 @@ def run_strategy(strategy: str, args: argparse.Namespace) -> dict:
         capped = True
     wall = time.perf_counter() - fit_start
     graphs = trainer.compile_monitor.graphs
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)
     steady = [s for s in trainer.steps if not s["compiled"]]
     if capped and len(steady) < args.replays:
         # The storm left too few steps that compiled nothing to time: run a few of the batches whose
@@ -203,6 +205,7 @@ def run_strategy(strategy: str, args: argparse.Namespace) -> dict:
         result["projected_wall_s"] = wall + rest
         result["projected_graphs"] = graphs + len(seen) - len({s["shape"] for s in trainer.steps})
         result["compile_s_per_shape"] = compile_s
+        result["compile_s_from"] = "after the first" if len(compiling) > 1 else "the only one"
     return result
 
 
@@ -229,7 +232,8 @@ def print_table(results: list[dict], args: argparse.Namespace) -> list[str]:
     lines = [
         f"debug Llama (inductor, per-block compile, dynamic=False), {args.docs} documents of "
         f"16..{args.max_len} positions (log-normal, median 160), batch size {args.batch_size}, "
-        f"buckets [{args.buckets}], length-grouped sampler, one epoch, {os.cpu_count()} CPU cores",
+        f"buckets [{args.buckets}], length-grouped sampler, one epoch, {os.cpu_count()} CPU cores "
+        f"(load average {args.load_before:.1f} before, {os.getloadavg()[0]:.1f} after: other work skews the times)",
         "",
         "| strategy | batches | graphs compiled | padding waste | total wall time (incl. compile) "
         "| steady-state real tokens/s |",
@@ -252,7 +256,7 @@ def print_table(results: list[dict], args: argparse.Namespace) -> list[str]:
         if r["capped"]:
             lines.append(
                 f"\n{r['strategy']} was stopped after {args.naive_budget_s:.0f} s (--naive-budget-s): a step that "
-                f"compiles a new shape (after the first) took {r['compile_s_per_shape']:.1f} s on average; the projection adds "
+                f"compiles a new shape ({r['compile_s_from']}) took {r['compile_s_per_shape']:.1f} s on average; the projection adds "
                 f"that for every shape of the epoch not reached and the other steps at the steady rate "
                 f"({r['steady_steps']} steps timed)."
             )
@@ -281,6 +285,7 @@ def main() -> None:
         print(json.dumps(run_strategy(args.worker, args)))
         return
 
+    args.load_before = os.getloadavg()[0]
     workdir = Path(tempfile.mkdtemp(prefix="bench_shapes_"))
     args.corpus = workdir / "corpus.jsonl"
     make_corpus(args.corpus, num_docs=args.docs, max_len=args.max_len, seed=args.seed)
@@ -294,6 +299,7 @@ def main() -> None:
             sys.exit(f"{strategy} failed:\n{proc.stderr[-3000:]}")
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         print(f"{strategy}: done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    shutil.rmtree(workdir, ignore_errors=True)  # the corpus and the inductor caches
     print_table(results, args)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -40,7 +40,9 @@ def test_cpu_memory_stats_report_rss() -> None:
 
 
 def test_unknown_device_names_the_choices() -> None:
-    with pytest.raises(DeviceUnavailableError, match=r"device='gpu' is not a known device; choose one of auto, cpu"):
+    with pytest.raises(
+        DeviceUnavailableError, match=r"device='gpu' is not a known device; choose one of auto, cpu"
+    ):
         resolve_accelerator("gpu")
 
 
@@ -62,7 +64,9 @@ try:
 except DeviceUnavailableError as e:
     print("ERR", e)
 """
-    out = _run_with_fake_vendor(tmp_path, "torch_neuronx", "raise RuntimeError('libnrt.so not found')\n", code)
+    out = _run_with_fake_vendor(
+        tmp_path, "torch_neuronx", "raise RuntimeError('libnrt.so not found')\n", code
+    )
     assert out.returncode == 0, out.stderr
     assert "AUTO cpu" in out.stdout
     assert "importing torch_neuronx failed: RuntimeError: libnrt.so not found" in out.stdout

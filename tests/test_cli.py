@@ -140,3 +140,14 @@ def test_default_run_learns_and_writes_artifacts(tmp_path: Path) -> None:
     assert list((run_dir / "checkpoints").glob("step_*/.metadata"))
     assert "tok_s" in out.stderr  # tqdm's live bar with tokens/s
     print(f"default run took {elapsed:.1f}s")
+
+
+def test_overlong_sequence_error_names_the_document(tmp_path: Path) -> None:
+    out = run_cli(
+        [*TINY, "data.collator=bucket", "data.buckets=[16,32]", "data.overlong=error"],
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    assert "32" in out.stderr and "data.overlong=split" in out.stderr

@@ -15,12 +15,16 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_wheel_install_resolves_configs(tmp_path: Path) -> None:
     wheels = tmp_path / "wheels"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(ROOT)], check=True, timeout=300
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(ROOT)],
+        check=True,
+        timeout=300,
     )
     (wheel,) = wheels.glob("portatrain-*.whl")
     venv = tmp_path / "venv"
     # System site-packages provide torch & co.; the venv holds only the wheel, which shadows the checkout.
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120
+    )
     subprocess.run([venv / "bin" / "pip", "install", "--no-deps", "-q", str(wheel)], check=True, timeout=300)
     workdir = tmp_path / "elsewhere"
     workdir.mkdir()

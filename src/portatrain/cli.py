@@ -18,6 +18,7 @@ from portatrain.accelerators import DeviceUnavailableError
 from portatrain.checkpoint import CheckpointError
 from portatrain.compile import RecompileError
 from portatrain.config import ConfigError, register_configs, validate
+from portatrain.data.collate import OverlongError
 
 
 def _train(cfg: DictConfig, trainer_cls: type | None = None) -> None:
@@ -80,6 +81,7 @@ USER_ERRORS: tuple[type[Exception], ...] = (
     FileNotFoundError,
     CheckpointError,
     RecompileError,
+    OverlongError,
 )
 
 
