@@ -36,5 +36,8 @@ def init_distributed(accelerator: Accelerator, info: DistInfo) -> None:
 
 
 def destroy_distributed() -> None:
+    """Tear the process group down in step: a rank that leaves while a peer's gloo threads still
+    talk to it can abort the peer ("terminate called without an active exception")."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
