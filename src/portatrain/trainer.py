@@ -445,9 +445,6 @@ class Trainer:
         """Sum over the data-parallel ranks (tp ranks of one dp group hold the same value)."""
         return dp_all_reduce(value.to(self.device), self.parallel_dims, "sum")
 
-    def _all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
-        return dp_all_reduce(value.to(self.device), self.parallel_dims, "mean")
-
     def _clip_gradients(self) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
         return clip_grad_norm_(params, self._max_grad_norm)  # one global norm across FSDP/TP meshes
