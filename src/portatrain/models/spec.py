@@ -1,0 +1,99 @@
+"""What a model family gives the rest of portatrain: one :class:`ModelSpec` per family.
+
+Generic code (trainer, checkpoints, HF export and import, the dry run, the memory plan) reaches a
+family only through its spec, never by importing the family's modules. Adding a family is one
+folder under ``portatrain/models/`` that builds a ``ModelSpec``, one line in the registry
+(``portatrain/models/__init__.py``) and its ``conf/model/`` files. The pattern is torchtitan's
+``TrainSpec`` (``torchtitan/protocols/train_spec.py``).
+
+Contracts a family's model and arguments keep (Llama and Qwen 3 both do):
+
+* The arguments are a frozen dataclass with ``vocab_size``, ``max_seq_len``, ``tie_embeddings``,
+  ``num_params()`` (analytic count), ``flops_per_token(seq_len)`` and ``problems() -> list[str]``
+  (every inconsistency, each naming the values and the fix; empty when valid).
+* The model is built as ``spec.model_cls(args)`` (on the meta device), keeps ``args`` as
+  ``model.args``, its transformer blocks in ``model.layers`` (an ``nn.ModuleDict``), initializes with
+  ``init_weights(std)`` and is called as ``model(tokens, positions=None, attn_mask=None)`` returning
+  logits ``[B, S, vocab]``. Attention goes through ``F.scaled_dot_product_attention`` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+class CompileBlock(Protocol):
+    """Compiles one transformer block in place (given by the compile stage to a parallelizer)."""
+
+    def __call__(self, block: nn.Module) -> nn.Module: ...
+
+
+class Parallelize(Protocol):
+    """A family's ``parallelize.py`` entry point: TP -> activation checkpointing -> compile -> FSDP2.
+
+    ``compile_block`` is None when compilation is off; the parallelizer never imports the compile stage.
+    """
+
+    def __call__(
+        self,
+        model: nn.Module,
+        parallel_dims: Any,
+        *,
+        activation_checkpointing: str,
+        compile_block: CompileBlock | None,
+        param_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+    ) -> nn.Module: ...
+
+
+@dataclass(frozen=True)
+class HFMapping:
+    """How a family maps onto its Hugging Face ``transformers`` counterpart (no transformers import)."""
+
+    architecture: str
+    """``architectures[0]`` of the HF ``config.json``, e.g. ``LlamaForCausalLM``."""
+    to_hf: Callable[[Mapping[str, Any]], dict[str, Any]]
+    """Our state dict -> HF keys (tensors untouched; a tied model emits no ``lm_head.weight``)."""
+    from_hf: Callable[..., dict[str, Any]]
+    """HF state dict -> ours: ``from_hf(state_dict, *, tie_embeddings: bool | None)``."""
+    config: Callable[..., dict[str, Any]]
+    """Our arguments -> HF ``config.json`` dict: ``config(args, *, torch_dtype: str)``."""
+    args_from_config: Callable[[Mapping[str, Any]], Any]
+    """HF ``config.json`` dict -> our arguments (raises ValueError/KeyError when it is not this family)."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything generic code needs to know about one model family."""
+
+    name: str
+    """Registry key and ``model.name`` value, e.g. ``llama3``."""
+    model_cls: type[nn.Module]
+    """Built as ``model_cls(args)``."""
+    args_cls: type
+    """The family's frozen arguments dataclass."""
+    flavors: Mapping[str, Any]
+    """Flavour name -> arguments with the published dimensions."""
+    parallelize: Parallelize
+    """Applies the parallel plan in place (see :class:`Parallelize`)."""
+    hf: HFMapping
+    """Hugging Face interop (export, ``model.init_from``, parity tests)."""
+    estimate_memory: Callable[..., dict[str, int]]
+    """Per-device memory estimate in bytes: ``estimate_memory(args, *, batch_size, seq_len, ...)``,
+    keys ``params``, ``grads``, ``optimizer``, ``fsdp_buffers``, ``activations``, ``total``."""
+    config_overrides: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """``model.<key>`` config overrides this family accepts -> the arguments field each sets
+    (e.g. ``{"ffn_dim": "ffn_hidden_dim"}``), for custom sizes from the command line."""
+
+    def args(self, flavor: str, **overrides: Any) -> Any:
+        """The flavour's arguments with ``overrides`` (config keys, None = keep) applied."""
+        if flavor not in self.flavors:
+            raise KeyError(f"model.flavor={flavor!r} is unknown for {self.name}; choose one of {', '.join(self.flavors)}")
+        changes = {self.config_overrides.get(k, k): v for k, v in overrides.items() if v is not None}
+        return dataclasses.replace(self.flavors[flavor], **changes)
