@@ -14,61 +14,66 @@ The order matters and is torchtitan's:
 (``view(..., -1, head_dim)``), so column-sharded q/k/v projections give each rank
 ``n_heads / tp`` query and ``n_kv_heads / tp`` key/value heads with no change to the model; rank r
 holds query heads ``[r*n_heads/tp, (r+1)*n_heads/tp)`` and exactly the kv heads they read.
+
+Tied embeddings (Llama 3.2 1B/3B) are tensor-parallel too: one vocabulary-sharded matrix serves the
+embedding and the output projection (:func:`_tied_output_projection`). Families with Llama's module
+names reuse this plan and add their own block submodules (Qwen 3: ``extra_block_plan``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
-from portatrain.models.llama.model import Llama
 from portatrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from portatrain.parallel.parallel_dims import ParallelDims
 
 
 def parallelize_llama(
-    model: Llama,
+    model: nn.Module,
     parallel_dims: ParallelDims,
     *,
     activation_checkpointing: str = "none",
-    compile_cfg: Any = None,
-    accelerator: Any = None,
+    compile_block: Callable[[nn.Module], nn.Module] | None = None,
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
-) -> Llama:
-    """Apply the parallel plan in place and return the model.
+    extra_block_plan: Callable[[], Mapping[str, ParallelStyle]] | None = None,
+) -> nn.Module:
+    """Apply the parallel plan in place and return the model (the ``ModelSpec.parallelize`` protocol).
 
     Args:
-        model: a :class:`Llama`, preferably on the meta device (nothing is allocated here).
+        model: a Llama-shaped decoder (``embed_tokens``, ``layers``, ``norm``, ``lm_head`` or None when
+            tied; block submodules named as in HF), preferably on the meta device.
         parallel_dims: the layout, with its mesh built (``build_mesh``) when more than one rank runs.
         activation_checkpointing: ``none``, ``full`` or ``selective`` (see
             ``portatrain.parallel.activation_checkpoint``).
-        compile_cfg: the ``compile`` config; when enabled, blocks are compiled by
-            ``portatrain.compile.compile_blocks`` between checkpointing and FSDP.
-        accelerator: the accelerator adapter (its compile backend), passed to the compile step.
+        compile_block: compiles one block (given by the compile stage); None leaves blocks eager.
         param_dtype: FSDP2 all-gathers parameters in this dtype and computes in it (bf16 on
             accelerators; fp32 on CPU). The sharded master parameters stay fp32.
         reduce_dtype: FSDP2 reduce-scatters gradients in this dtype (fp32 by default).
+        extra_block_plan: a family whose blocks hold more than Llama's (Qwen 3's q/k norms) returns
+            the tensor-parallel styles of those extra submodules; they join each block's plan.
     """
     if parallel_dims.tp_enabled:
-        apply_tp(model, parallel_dims.tp_mesh)
+        apply_tp(model, parallel_dims.tp_mesh, extra_block_plan=extra_block_plan)
     apply_activation_checkpointing(model.layers, activation_checkpointing)
-    if compile_cfg is not None and compile_cfg.enabled:
-        from portatrain.compile import compile_blocks  # owned by the compile stage
-
-        compile_blocks(model, accelerator, compile_cfg)
+    if compile_block is not None:
+        for name, block in list(model.layers.named_children()):
+            model.layers[name] = compile_block(block)
         if parallel_dims.tp_enabled:
             _detach_view_from_compiled_blocks(model)
     if parallel_dims.fsdp_enabled:
@@ -76,7 +81,12 @@ def parallelize_llama(
     return model
 
 
-def apply_tp(model: Llama, tp_mesh: DeviceMesh) -> None:
+def apply_tp(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    extra_block_plan: Callable[[], Mapping[str, ParallelStyle]] | None = None,
+) -> None:
     """Megatron-style tensor parallel with sequence parallel in between.
 
     Inside a block, q/k/v and gate/up are column-parallel (each rank computes its heads / its slice
@@ -92,48 +102,79 @@ def apply_tp(model: Llama, tp_mesh: DeviceMesh) -> None:
     (torchtitan's vocabulary-parallel loss keeps them sharded and saves ``(tp-1)/tp`` of the logits'
     memory, at the price of a loss hook that must handle DTensors; not done here.)
 
+    A tied model (``lm_head`` is None) has one vocabulary matrix for both ends, see
+    :func:`_tied_output_projection`.
+
     Sequence parallel needs every row length to be a multiple of ``tp`` (validated with the config).
     """
+    root_plan: dict[str, ParallelStyle] = {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+    }
+    if model.lm_head is not None:
+        root_plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    parallelize_module(model, tp_mesh, root_plan)
     if model.lm_head is None:
-        raise ValueError(
-            "tensor parallel of a tied output projection is not supported; set parallel.tp=1 "
-            "(FSDP still shards the shared matrix)"
-        )
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        },
-    )
+        _tied_output_projection(model)
     for block in model.layers.values():
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                "input_layernorm": SequenceParallel(),
-                # forward(x, cos, sin, attn_mask): gather x over the sequence; RoPE tables and the
-                # mask are plain, full-length tensors already.
-                "self_attn": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None, None),
-                    desired_input_layouts=(Replicate(), None, None, None),
-                ),
-                "self_attn.q_proj": ColwiseParallel(),
-                "self_attn.k_proj": ColwiseParallel(),
-                "self_attn.v_proj": ColwiseParallel(),
-                "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-                "post_attention_layernorm": SequenceParallel(),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "mlp.gate_proj": ColwiseParallel(),
-                "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-            },
-        )
+        plan: dict[str, ParallelStyle] = {
+            "input_layernorm": SequenceParallel(),
+            # forward(x, cos, sin, attn_mask): gather x over the sequence; RoPE tables and the
+            # mask are plain, full-length tensors already.
+            "self_attn": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None, None),
+                desired_input_layouts=(Replicate(), None, None, None),
+            ),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        if extra_block_plan is not None:
+            plan.update(extra_block_plan())
+        parallelize_module(block, tp_mesh, plan)
 
 
-def _detach_view_from_compiled_blocks(model: Llama) -> None:
+def _tied_output_projection(model: nn.Module) -> None:
+    """Tensor-parallel output projection through the embedding's own (sharded) matrix.
+
+    The row-parallel embedding holds ``embed_tokens.weight`` as a DTensor sharded over the vocabulary
+    (``Shard(0)``): rank r owns rows ``[r*V/tp, (r+1)*V/tp)``. A column-parallel output projection
+    shards the very same matrix the very same way (its output features are the vocabulary), so the
+    one parameter serves both ends and nothing is copied or re-tied (Megatron's and torchtitan's
+    vocabulary-parallel tied embedding). The model's tied forward is ``F.linear(h, embed_tokens.weight)``;
+    two hooks give it ``ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())``'s layouts:
+
+    * after the final norm, the sequence-sharded ``h`` is all-gathered (``Replicate``), so
+      ``F.linear`` on DTensors yields this rank's vocabulary slice of the logits (``Shard(2)``), with
+      no communication; in backward the input gradient (a partial sum over vocabulary shards) is
+      reduce-scattered back to sequence shards by the same redistribution;
+    * after the model, those logits are all-gathered into a plain full tensor, as for an untied head.
+
+    Autograd accumulates the weight's gradient from both uses into the one DTensor ``.grad``: the
+    lookup's rows (only the ids this rank owns) plus ``dlogits_local^T @ h`` -- each rank's shard
+    only, with no collective, as a column-parallel linear's weight gradient is.
+    """
+
+    def gather_sequence(module: nn.Module, args: Any, output: DTensor) -> DTensor:
+        return output.redistribute(placements=[Replicate()])
+
+    def gather_logits(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        if isinstance(output, DTensor):
+            return output.redistribute(placements=[Replicate()]).to_local()
+        return output
+
+    # Hooks run in registration order: this one sees the norm's sequence-sharded DTensor output.
+    model.norm.register_forward_hook(gather_sequence)
+    model.register_forward_hook(gather_logits)
+
+
+def _detach_view_from_compiled_blocks(model: nn.Module) -> None:
     """Give the first compiled block a fresh tensor, not the view ``to_local()`` returns.
 
     Under TP the embedding's output leaves DTensor land through ``to_local()``, which returns a
@@ -147,7 +188,7 @@ def _detach_view_from_compiled_blocks(model: Llama) -> None:
 
 
 def apply_fsdp(
-    model: Llama,
+    model: nn.Module,
     fsdp_mesh: DeviceMesh,
     *,
     param_dtype: torch.dtype = torch.float32,
