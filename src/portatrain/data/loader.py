@@ -21,10 +21,9 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from portatrain.data.collate import PackingCollator, PadCollator, fit_documents, num_positions
+from portatrain.data.config import COLLATORS
 from portatrain.data.packing import pack_documents
 from portatrain.data.sampler import StatefulBatchSampler
-
-COLLATORS = ("packing", "bucket", "pad_to_max")
 
 
 class ExampleDataset(Dataset):
