@@ -1,21 +1,38 @@
-"""The accelerator adapter contract.
+"""The accelerator adapter contract, and its generic implementation on ``torch.accelerator``.
 
 One subclass per backend holds everything backend-specific: the torch device type, the
-distributed backend, the compile backend, synchronize, memory statistics and RNG. Vendor
-modules (``torch_tpu``, ``torch_neuronx``) are imported only inside the adapter's
-:meth:`Accelerator.load`, which runs when that backend is selected or probed, never at
-``import portatrain``.
+distributed backend, the compile backend, which device index this process drives, synchronize,
+memory statistics and RNG. Vendor modules (``torch_tpu``, ``torch_neuronx``) are imported only
+inside the adapter's :meth:`Accelerator.load`, which runs when that backend is selected or
+probed, never at ``import portatrain`` (where a vendor stack is installed, torch's backend
+autoload has already imported it at ``import torch``; portatrain adds no import of its own).
+
+The base class talks to devices through the generic ``torch.accelerator`` API only, never
+through the per-device ``torch.<device_type>`` modules: out-of-tree backends are entitled to
+close those. TorchTPU does so from torch 2.11 on: ``torch.tpu.device_count()``,
+``synchronize()``, ``set_device()``, ``current_device()``, ``is_available()`` and (torch >= 2.13)
+``get_rng_state()`` raise ``RuntimeError`` for callers outside torch/torch_tpu unless
+``TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS=1`` (torch_tpu 0.2.0 wheel:
+``torch_tpu/_internal/device/_device_module.py``, decorator ``internal_or_experimental`` in
+``torch_tpu/_internal/utils/annotations.py``). TorchNeuron documents that code written against
+``torch.accelerator`` runs unchanged (aws-neuron-sdk ``frameworks/torch/pytorch-native-overview.rst``).
+In-tree backends with other habits (CUDA, MPS, CPU) override what they need.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from typing import Any
 
 import torch
 
+from portatrain.errors import UserError
 
-class DeviceUnavailableError(RuntimeError):
+logger = logging.getLogger(__name__)
+
+
+class DeviceUnavailableError(UserError, RuntimeError):
     """An explicitly requested device cannot be used; the message says why and how to fix it."""
 
 
@@ -29,7 +46,8 @@ class Accelerator:
     install_hint: str = ""
     """How to get the missing stack, shown when the device was requested but is absent."""
     dist_backend: str | None = None
-    """``torch.distributed`` backend; None lets torch pick the one the vendor registered for its device type."""
+    """``torch.distributed`` backend string, always named explicitly per device type
+    (``cpu:gloo,<type>:<backend>``) so CPU tensors (object collectives, checkpoint metadata) have one too."""
     compile_backend: str = "inductor"
     """``torch.compile`` backend name."""
     static_shapes: bool = False
@@ -41,6 +59,9 @@ class Accelerator:
 
     def __init__(self, index: int = 0) -> None:
         self.index = index
+        """The device index this process drives. Starts as the requested index (``device.index``,
+        else ``LOCAL_RANK``); :meth:`unavailable_reason` replaces it with the one the process can
+        actually use (:meth:`select_index`)."""
 
     # -- discovery -------------------------------------------------------------------------
     def vendor_installed(self) -> bool:
@@ -52,26 +73,65 @@ class Accelerator:
         if self.vendor_module is not None:
             importlib.import_module(self.vendor_module)
 
+    def _is_current_accelerator(self) -> bool:
+        """Whether torch's accelerator (what ``torch.accelerator.*`` talks to) is this device type."""
+        current = torch.accelerator.current_accelerator()
+        return current is not None and current.type == self.device_type
+
     def device_count(self) -> int:
-        module = getattr(torch, self.device_type, None)
-        count = getattr(module, "device_count", None)
-        return int(count()) if callable(count) else 0
+        """Devices of this type visible to this process (0 when torch has no such accelerator)."""
+        return int(torch.accelerator.device_count()) if self._is_current_accelerator() else 0
+
+    def select_index(self, requested: int, visible: int) -> int:
+        """The device index this process should drive, decided from what the process sees.
+
+        A launcher that gives each worker one device (TorchTPU; Neuron with one visible logical
+        core per process) leaves ``visible == 1``: that device is index 0 whatever ``LOCAL_RANK``
+        says. A process that sees all the host's devices drives ``requested`` (``LOCAL_RANK``).
+        """
+        if visible == 1:
+            if requested != 0:
+                logger.info(
+                    "%s: this process sees one %s device; using index 0, not the requested %d",
+                    self.name,
+                    self.device_type,
+                    requested,
+                )
+            return 0
+        if 0 <= requested < visible:
+            return requested
+        raise DeviceUnavailableError(
+            f"{visible} {self.device_type} device(s) visible to this process, need index {requested}; "
+            f"launch at most {visible} processes per host or set device.index below {visible}"
+        )
 
     def unavailable_reason(self) -> str | None:
-        """None when usable; otherwise a one-line reason. Imports the vendor module if installed."""
+        """None when usable (and :attr:`index` is then this process's device); otherwise a one-line
+        reason. Imports the vendor module if installed; never raises, so discovery cannot crash."""
         if not self.vendor_installed():
             return f"the Python package {self.vendor_module!r} is not installed"
         try:
             self.load()
         except Exception as exc:  # vendor import failures come in every exception type
             return f"importing {self.vendor_module} failed: {type(exc).__name__}: {exc}"
-        count = self.device_count()
-        if count <= self.index:
-            return f"{count} {self.device_type} device(s) visible, need index {self.index}"
+        try:
+            count = self.device_count()
+            if count == 0:
+                current = torch.accelerator.current_accelerator()
+                return (
+                    f"0 {self.device_type} devices visible "
+                    f"(torch.accelerator.current_accelerator() is {current})"
+                )
+            self.index = self.select_index(self.index, count)
+        except DeviceUnavailableError as exc:
+            return str(exc)
+        except Exception as exc:  # e.g. a vendor's RuntimeError from a closed legacy API
+            return f"querying {self.device_type} devices failed: {type(exc).__name__}: {exc}"
         return None
 
     def probe(self) -> None:
         """Allocate and compute on the device, then synchronize: proves the runtime works."""
+        self.set_device()
         x = torch.ones(8, device=self.device)
         if float((x * 2).sum().item()) != 16.0:
             raise RuntimeError(f"probe allocation on {self.device} returned a wrong result")
@@ -83,49 +143,78 @@ class Accelerator:
         return torch.device(self.device_type, self.index)
 
     def set_device(self) -> None:
-        module = getattr(torch, self.device_type, None)
-        if module is not None and hasattr(module, "set_device"):
-            module.set_device(self.index)
+        if self._is_current_accelerator():
+            torch.accelerator.set_device_index(self.index)
 
     def synchronize(self) -> None:
-        module = getattr(torch, self.device_type, None)
-        if module is not None and hasattr(module, "synchronize"):
-            module.synchronize(self.index)
+        if self._is_current_accelerator():
+            torch.accelerator.synchronize(self.index)
 
     def memory_stats(self) -> dict[str, int]:
-        """Allocator statistics in bytes: ``allocated``, ``reserved``, ``peak_allocated`` where known."""
-        module = getattr(torch, self.device_type, None)
-        stats: dict[str, int] = {}
-        for key, fn in (
-            ("allocated", "memory_allocated"),
-            ("reserved", "memory_reserved"),
-            ("peak_allocated", "max_memory_allocated"),
-        ):
-            if module is not None and hasattr(module, fn):
-                stats[key] = int(getattr(module, fn)(self.index))
-        return stats
+        """Allocator statistics in bytes: ``allocated``, ``reserved``, ``peak_allocated`` where known.
+
+        Read through ``torch.accelerator.memory``, which reaches the backend's ``DeviceAllocator``
+        (TorchTPU's ``TpuAllocator`` implements ``getDeviceStats``/``resetPeakStats``; its
+        ``torch.tpu`` module exports no ``memory_*`` functions). Empty when the backend keeps none.
+        """
+        if not self._is_current_accelerator():
+            return {}
+        memory = torch.accelerator.memory
+        try:
+            return {
+                "allocated": int(memory.memory_allocated(self.index)),
+                "reserved": int(memory.memory_reserved(self.index)),
+                "peak_allocated": int(memory.max_memory_allocated(self.index)),
+            }
+        except RuntimeError as exc:  # an allocator without device statistics
+            logger.debug("%s keeps no allocator statistics: %s", self.device_type, exc)
+            return {}
 
     def reset_peak_memory(self) -> None:
-        module = getattr(torch, self.device_type, None)
-        if module is not None and hasattr(module, "reset_peak_memory_stats"):
-            module.reset_peak_memory_stats(self.index)
+        if self._is_current_accelerator():
+            try:
+                torch.accelerator.memory.reset_peak_memory_stats(self.index)
+            except RuntimeError as exc:
+                logger.debug("%s cannot reset peak memory: %s", self.device_type, exc)
 
     def manual_seed(self, seed: int) -> None:
-        """Seed the host and this device's generators (torch.manual_seed covers registered devices)."""
+        """Seed the host and every device generator: ``torch.manual_seed`` also seeds the
+        PrivateUse1 backend through its device module's ``manual_seed_all`` (torch/random.py
+        ``_seed_custom_device``), a call from inside torch that vendors allow."""
         torch.manual_seed(seed)
+
+    def _device_generator(self) -> torch.Generator | None:
+        """This device's default generator (what ``torch.manual_seed`` seeds and random ops on the
+        device draw from), or None where the backend does not expose one.
+
+        torch 2.13 offers no generic accessor: ``torch.accelerator`` has no RNG functions. The
+        device module's ``default_generators`` tuple is the one part of the per-device RNG API
+        TorchTPU keeps open (experimental, it warns once; ``get_rng_state`` is internal from
+        torch 2.13 on and raises), and it is what torch itself reads (DeviceInterface ``_get_generator``).
+        """
+        module = getattr(torch, self.device_type, None)
+        generators = getattr(module, "default_generators", None)
+        if generators is None or len(generators) <= self.index:
+            return None
+        return generators[self.index]
 
     def get_rng_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-        module = getattr(torch, self.device_type, None)
-        if self.device_type != "cpu" and module is not None and hasattr(module, "get_rng_state"):
-            state[self.device_type] = module.get_rng_state(self.index)
+        generator = self._device_generator() if self._is_current_accelerator() else None
+        if generator is not None:
+            state[self.device_type] = generator.get_state()
         return state
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
         torch.set_rng_state(state["cpu"])
-        module = getattr(torch, self.device_type, None)
-        if self.device_type in state and module is not None and hasattr(module, "set_rng_state"):
-            module.set_rng_state(state[self.device_type], self.index)
+        if self.device_type != "cpu" and self.device_type in state:
+            generator = self._device_generator()
+            if generator is None:
+                raise RuntimeError(
+                    f"the checkpoint holds a {self.device_type} RNG state but this {self.device_type} "
+                    "backend exposes no default generator to restore it into"
+                )
+            generator.set_state(state[self.device_type])
 
     def describe(self) -> str:
         return f"{self.name}:{self.index}"

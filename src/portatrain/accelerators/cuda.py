@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from portatrain.accelerators.base import Accelerator, lookup_peak_tflops
@@ -44,6 +46,19 @@ class CUDAAccelerator(Accelerator):
         if torch.cuda.device_count() <= self.index:
             return f"{torch.cuda.device_count()} CUDA device(s) visible, need index {self.index}"
         return None
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def get_rng_state(self) -> dict[str, Any]:
+        # torch.cuda's RNG functions are public and initialize CUDA lazily; the generic base reads
+        # torch.cuda.default_generators, which stays empty until CUDA is initialized.
+        return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(self.index)}
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"], self.index)
 
     def device_name(self) -> str:
         return torch.cuda.get_device_name(self.index)

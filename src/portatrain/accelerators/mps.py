@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from portatrain.accelerators.base import Accelerator
@@ -23,8 +25,19 @@ class MPSAccelerator(Accelerator):
             return "torch.backends.mps.is_available() is False"
         return None
 
+    def set_device(self) -> None:
+        """Nothing to select: a Mac has one GPU."""
+
     def synchronize(self) -> None:
         torch.mps.synchronize()
+
+    def get_rng_state(self) -> dict[str, Any]:
+        return {"cpu": torch.get_rng_state(), "mps": torch.mps.get_rng_state()}
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["cpu"])
+        if "mps" in state:
+            torch.mps.set_rng_state(state["mps"])
 
     def memory_stats(self) -> dict[str, int]:
         return {

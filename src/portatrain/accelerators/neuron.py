@@ -1,56 +1,143 @@
-"""AWS Trainium through TorchNeuron (``torch_neuronx``), a native device named ``neuron``.
+"""AWS Trainium through TorchNeuron (``torch_neuronx``), a native PrivateUse1 device named ``neuron``.
 
-As for TPU, the device and compile-backend names are the launch articles' claims, kept in this
-one file. The Neuron compiler builds one graph per input shape, hence ``static_shapes``.
+Every TorchNeuron-specific name below was checked against AWS's Neuron documentation
+(awsdocs-neuron.readthedocs-hosted.com and its source, github.com/aws-neuron/aws-neuron-sdk);
+the page is cited next to it. Not run on Trainium: see the README's device table.
+
+- TorchNeuron is the native backend (not the older XLA-based torch-neuronx) and supports Trn2
+  and Trn3 only ("TorchNeuron supports the Trn2 and Trn3 instance families",
+  torch/get-started/quickstart-torch-neuron; setup/pytorch/index: torch-neuronx 2.13.x / 2.14.x).
+- Code written against ``torch.accelerator`` needs no change
+  (frameworks/torch/pytorch-native-overview.rst, FAQ), so the base class's generic calls serve.
+- A ``neuron`` device is one *logical* NeuronCore, the unit of distribution: one process per
+  logical core (pytorch-native-overview.rst: "the unit of distribution is the NeuronCore";
+  64 ranks on a trn2.48xlarge). The index comes from what the process sees (base ``select_index``).
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
 import os
 
 import torch
 
 from portatrain.accelerators.base import Accelerator, lookup_peak_tflops
 
-NEURON_CHIP_ENV = "PORTATRAIN_NEURON_CHIP"
-"""Names the Trainium generation for the peak-FLOPs table (``trn1``, ``trn2``)."""
+logger = logging.getLogger(__name__)
 
-# Dense peak TFLOP/s per Trainium chip, from the AWS Neuron architecture pages
-# (awsdocs-neuron.readthedocs-hosted.com, about-neuron/arch/neuron-hardware/trainium and trainium2):
-#   Trainium (trn1, 2 NeuronCore-v2):  190 FP16/BF16/cFP8/TF32 TFLOPS, 47.5 FP32 TFLOPS
-#   Trainium2 (trn2, 8 NeuronCore-v3): 667 BF16/FP16/TF32 TFLOPS (2,563 sparse), 181 FP32 TFLOPS
-# These are per chip. Unverified: how many chips (or NeuronCores) one TorchNeuron "neuron" device
-# spans. If a device is one NeuronCore (2 per trn1 chip; 4 logical per trn2 chip at the default
-# LNC=2), divide accordingly through metrics.peak_tflops.
-NEURON_PEAK_TFLOPS: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
+NEURON_CHIP_ENV = "PORTATRAIN_NEURON_CHIP"
+"""Names the Trainium generation for the peak-FLOPs table: ``trn2`` or ``trn3``."""
+SUPPORTED_CHIPS = ("trn2", "trn3")
+"""Generations TorchNeuron supports (Trn1 is not one of them)."""
+LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
+"""Neuron runtime setting: physical NeuronCores per logical core, 1 or 2, default 2 on Trn2/Trn3
+(about-neuron/arch/neuron-features/logical-neuroncore-config.rst)."""
+PHYSICAL_CORES_PER_CHIP = 8
+"""Trainium2: eight NeuronCore-v3; Trainium3: eight NeuronCore-v4 (neuron-hardware/trainium2.rst, trainium3.rst)."""
+
+# Dense peak TFLOP/s per CHIP, from AWS's architecture pages (aws-neuron-sdk
+# about-neuron/arch/neuron-hardware/trainium2.rst and trainium3.rst; dense, the sparse column is separate):
+#   Trainium2: 667 BF16/FP16/TF32, 181 FP32      Trainium3: 671 BF16/FP16/TF32, 183 FP32
+# One torch device is one logical NeuronCore = LNC physical cores of the chip's 8, so the
+# per-device peak is chip * LNC / 8: a quarter of the chip at the default LNC=2 (4 logical cores
+# per chip). Trn3's default LNC is taken to be 2 as on Trn2 (the docs give LNC 1 or 2 for both
+# and "two physical cores per logical NeuronCore" for TRN2 and TRN3; not stated as a default for Trn3).
+NEURON_CHIP_PEAK_TFLOPS: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
     (("trn2", "trainium2"), {"bfloat16": 667.0, "float16": 667.0, "float32": 181.0}),
-    (("trn1", "trainium1"), {"bfloat16": 190.0, "float16": 190.0, "float32": 47.5}),
+    (("trn3", "trainium3"), {"bfloat16": 671.0, "float16": 671.0, "float32": 183.0}),
 )
+
+NEURON_PIP_INDEX = "https://pip.repos.neuron.amazonaws.com"
+"""AWS's Neuron pip repository, passed as an extra index: every Neuron pip instruction uses it
+(e.g. libraries/neuronx-distributed/setup: ``--extra-index-url https://pip.repos.neuron.amazonaws.com``)."""
 
 
 class NeuronAccelerator(Accelerator):
     name = "neuron"
-    device_type = "neuron"
+    device_type = "neuron"  # torch/guides/torch-distributed: torch.device("neuron")
     vendor_module = "torch_neuronx"
     install_hint = (
-        "on a Trainium instance (trn1/trn2) with the AWS Neuron driver, install the Neuron PyTorch stack "
-        "from AWS's Neuron pip repository: `pip install 'portatrain[neuron]'` (PyPI's torch-neuronx is a placeholder)"
+        "on a Trn2 or Trn3 instance with the AWS Neuron driver (TorchNeuron does not support Trn1), "
+        "install TorchNeuron from AWS's Neuron pip repository: "
+        f"`pip install 'portatrain[neuron]' --extra-index-url {NEURON_PIP_INDEX}` "
+        "(PyPI alone serves only a placeholder torch-neuronx), or use AWS's TorchNeuron DLAMI"
     )
-    dist_backend = None  # the backend TorchNeuron registers for the "neuron" device type
+    # torch/guides/torch-distributed: dist.init_process_group(backend="neuron"); gloo for CPU tensors.
+    dist_backend = "cpu:gloo,neuron:neuron"
+    # frameworks/torch/pytorch-native-overview.rst: "@torch.compile(backend="neuron")".
     compile_backend = "neuron"
+    # Unverified: kept from the launch articles (one compiled graph per input shape).
     static_shapes = True
 
-    def device_name(self) -> str:
-        """The chip generation from ``$PORTATRAIN_NEURON_CHIP`` (``trn1``/``trn2``).
+    def unavailable_reason(self) -> str | None:
+        chip = os.environ.get(NEURON_CHIP_ENV)
+        if chip is not None and chip.lower() not in SUPPORTED_CHIPS:
+            return (
+                f"{NEURON_CHIP_ENV}={chip!r}: TorchNeuron supports {' and '.join(SUPPORTED_CHIPS)} only "
+                f"(Trn1 runs the older XLA-based torch-neuronx, which portatrain does not drive); "
+                f"set {NEURON_CHIP_ENV} to trn2 or trn3 on such an instance"
+            )
+        return super().unavailable_reason()
 
-        No torch_neuronx API is queried for it: none is verified here, and the variable keeps the
-        claim in one visible place.
+    def memory_stats(self) -> dict[str, int]:
+        """Allocator statistics after a synchronize: "The Neuron allocator is asynchronous. Always
+        call torch.neuron.synchronize() before you read any memory statistic"
+        (torch/guides/memory-profiling-guide, which documents ``torch_neuronx.memory_*``).
+
+        Each ``torch_neuronx`` function is used where present (``memory_allocated`` is on that page;
+        ``memory_reserved`` and ``max_memory_allocated`` are assumed to follow the CUDA names), and
+        the generic ``torch.accelerator.memory`` one otherwise.
+        """
+        if not self._is_current_accelerator():
+            return {}
+        self.synchronize()
+        vendor = importlib.import_module(self.vendor_module)
+        generic = super().memory_stats()
+        stats: dict[str, int] = {}
+        for key, fn in (
+            ("allocated", "memory_allocated"),
+            ("reserved", "memory_reserved"),
+            ("peak_allocated", "max_memory_allocated"),
+        ):
+            documented = getattr(vendor, fn, None)
+            try:
+                stats[key] = int(documented())  # the current device, set by set_device()
+            except (TypeError, RuntimeError):  # absent (None is not callable) or another signature
+                if key in generic:
+                    stats[key] = generic[key]
+        return stats
+
+    def logical_cores_per_chip(self) -> int:
+        """Logical NeuronCores (torch devices) per chip: 8 / LNC (4 at the default LNC=2)."""
+        raw = os.environ.get(LNC_ENV, "2")
+        if raw not in ("1", "2"):
+            logger.warning("%s=%r is not 1 or 2 (the only supported values); assuming 2", LNC_ENV, raw)
+            raw = "2"
+        return PHYSICAL_CORES_PER_CHIP // int(raw)
+
+    def device_name(self) -> str:
+        """ "Trainium <chip>, logical NeuronCore (1/4 chip)" from ``$PORTATRAIN_NEURON_CHIP``.
+
+        No TorchNeuron API that names the chip generation was found in the documentation; the
+        variable keeps the claim in one visible place. The fallback names no generation, so it
+        matches no table row and MFU is simply not reported.
         """
         chip = os.environ.get(NEURON_CHIP_ENV)
-        # The fallback names no generation: it must not match a table row.
-        return f"Trainium {chip}" if chip else f"Neuron device of unknown generation (set {NEURON_CHIP_ENV})"
+        share = f"logical NeuronCore (1/{self.logical_cores_per_chip()} chip)"
+        if chip:
+            return f"Trainium {chip.lower()}, {share}"
+        return f"Neuron {share} of unknown generation (set {NEURON_CHIP_ENV}=trn2 or trn3)"
 
     def peak_flops(self, dtype: torch.dtype) -> float | None:
         precision = str(dtype).removeprefix("torch.")
-        tflops = lookup_peak_tflops(NEURON_PEAK_TFLOPS, self.device_name(), precision)
-        return None if tflops is None else tflops * 1e12
+        chip_tflops = lookup_peak_tflops(NEURON_CHIP_PEAK_TFLOPS, self.device_name(), precision)
+        if chip_tflops is None:
+            return None
+        return chip_tflops / self.logical_cores_per_chip() * 1e12
+
+    def profiler_activities(self) -> list[torch.profiler.ProfilerActivity]:
+        # tools/neuron-explorer/how-to-profile-pytorch: pass ProfilerActivity.CPU and
+        # ProfilerActivity.PrivateUse1 ("Both are required for a complete CPU-to-device view").
+        activity = torch.profiler.ProfilerActivity
+        return [activity.CPU, activity.PrivateUse1]

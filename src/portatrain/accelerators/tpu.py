@@ -1,58 +1,84 @@
 """Google TPUs through TorchTPU (``torch_tpu``), a native PrivateUse1 device named ``tpu``.
 
-The names used here (device type ``tpu``, compile backend ``tpu``) come from the launch
-articles in ``shared/reference`` and are unverified against a real TPU host; every such call
-lives in this file so fixing one is a one-line change. We deliberately use only the generic
-``torch.<device_type>`` accessors (``device_count``, ``synchronize``, ``memory_allocated``)
-that PrivateUse1 backends register, and fall back to empty statistics when absent.
+Every TorchTPU-specific name below was checked against the torch_tpu 0.2.0 wheel from PyPI
+(``pip download --no-deps torch-tpu``, read, never installed); the file each comes from is
+cited next to it. Not run on a TPU: see the README's device table for what that leaves open.
+
+What the wheel says, and how this adapter follows it:
+
+- Device, runtime, memory and RNG go through the generic ``torch.accelerator`` API (base class):
+  TorchTPU closes ``torch.tpu.device_count/synchronize/set_device/...`` to callers outside
+  torch from torch 2.11 on (``torch_tpu/_internal/device/_device_module.py``).
+- One device per worker process: ``set_device`` "primarily validates that the given device
+  index matches the device index assigned to the current process ... switching the active
+  device within a single process is not supported" (``_device_module.py``). The adapter drives
+  the index the process is bound to (``torch.accelerator.current_device_index()``), never
+  ``LOCAL_RANK``.
+- ``torch_tpu`` registers the ``tpu`` device only when it finds a TPU on the PCI bus
+  (``torch_tpu/_loader.py`` ``load``: ``if hardware.get_tpu_device_count(): _init_device("tpu")``);
+  elsewhere ``torch.accelerator.current_accelerator()`` stays None and discovery reports 0 devices.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
 from portatrain.accelerators.base import Accelerator, lookup_peak_tflops
 
-TPU_CHIP_ENV = "PORTATRAIN_TPU_CHIP"
-"""Names the TPU generation for the peak-FLOPs table (``v5e``, ``v5p``, ``v6e``)."""
-
-# Dense bf16 peak TFLOP/s per chip, from Google Cloud's TPU system-architecture pages
-# (cloud.google.com/tpu/docs/v5e, /v5p, /v6e: "Peak compute per chip (bf16)"). TPUs publish no
-# fp32 matmul rate (the MXU runs fp32 as several bf16 passes), so fp32 runs report no MFU.
-# A v5e/v6e chip is one TensorCore and a v5p chip one megacore, so one torch device is one chip
-# (unverified for TorchTPU: if it exposes a fraction of a chip, set metrics.peak_tflops).
+# Dense bf16 peak TFLOP/s of ONE TORCH DEVICE, matched against torch.tpu.get_device_name()
+# ("TPU v4", "TPU v5e", "TPU v5p", "TPU v6e", "TPU v7": torch_tpu/_internal/utils/hardware.py
+# _PCI_DEVICE_ID_TO_NAME). Per-chip figures are Google's (cloud.google.com/tpu/docs/{v4,v5e,v5p,
+# v6e,tpu7x}, the same numbers as hardware.py _BF16_FLOPS_PER_CHIP); a chip is one device except
+# TPU v7, which exposes its two TensorCores as two devices (hardware.py _DEVICES_PER_CHIP = {V7: 2},
+# "one device reports ~96 GB of the 192 GB chip"), so v7 is 2307 / 2. TPUs publish no fp32 matmul
+# rate (the MXU runs fp32 as several bf16 passes): fp32 runs report no MFU.
 TPU_PEAK_TFLOPS: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
-    (("v6e", "trillium"), {"bfloat16": 918.0}),
-    (("v5p",), {"bfloat16": 459.0}),
-    (("v5e", "v5lite"), {"bfloat16": 197.0}),  # accelerator types spell v5e "v5litepod-N"
+    (("TPU v7",), {"bfloat16": 2307.0 / 2}),
+    (("TPU v6e",), {"bfloat16": 918.0}),
+    (("TPU v5p",), {"bfloat16": 459.0}),
+    (("TPU v5e",), {"bfloat16": 197.0}),
+    (("TPU v4",), {"bfloat16": 275.0}),
 )
 
 
 class TPUAccelerator(Accelerator):
     name = "tpu"
-    device_type = "tpu"
+    device_type = "tpu"  # torch_tpu/_loader.py: torch.utils.rename_privateuse1_backend("tpu")
     vendor_module = "torch_tpu"
     install_hint = (
-        "on a Cloud TPU VM run `pip install 'portatrain[tpu]'` (TorchTPU); never install torch_tpu on a host "
-        "without TPUs: it loads on every `import torch` and hangs there"
+        "on a Cloud TPU VM run `pip install 'portatrain[tpu]'` (TorchTPU; torch>=2.11,<=2.15); never "
+        "install torch_tpu on a host without TPUs: it loads on every `import torch`"
     )
-    dist_backend = None  # the backend TorchTPU registers for the "tpu" device type
+    # torch_tpu/_loader.py registers "tpu_dist" (and the alias "tpu") for device "tpu" only
+    # (register_backend(..., devices=["tpu"])): CPU tensors need gloo beside it.
+    dist_backend = "cpu:gloo,tpu:tpu_dist"
+    # torch_tpu/_loader.py: lookup_backend("tpu"); its torch.compile patch also defaults TPU
+    # backends to dynamic=False, which static_shapes asks for explicitly.
     compile_backend = "tpu"
     static_shapes = True
 
-    def device_name(self) -> str:
-        """The chip generation: ``$PORTATRAIN_TPU_CHIP``, else ``$TPU_ACCELERATOR_TYPE``.
+    def select_index(self, requested: int, visible: int) -> int:
+        """The index this process is bound to; TorchTPU refuses any other (``set_device``)."""
+        return int(torch.accelerator.current_device_index())
 
-        We query no TorchTPU or metadata-server API for it (unverified here, and a metadata
-        request can hang off-cloud). GKE sets ``TPU_ACCELERATOR_TYPE`` (e.g. ``v5litepod-16``) on
-        TPU pods, as Ray's TPU support reads it; on a plain TPU VM set ``PORTATRAIN_TPU_CHIP``.
+    def device_name(self) -> str:
+        """``torch.tpu.get_device_name()``, e.g. "TPU v6e": read from the PCI IDs without starting
+        the runtime (hardware.py ``get_tpu_device_name``); "TPU" for an unknown generation.
+
+        An experimental API in the wheel (it warns once); the legacy-closed ones are not used.
         """
-        chip = os.environ.get(TPU_CHIP_ENV) or os.environ.get("TPU_ACCELERATOR_TYPE")
-        # The fallback names no generation: it must not match a table row.
-        return f"TPU {chip}" if chip else f"TPU of unknown generation (set {TPU_CHIP_ENV})"
+        module = getattr(torch, self.device_type, None)
+        get_name = getattr(module, "get_device_name", None)
+        if get_name is None:
+            return "TPU of unknown generation (torch.tpu.get_device_name is missing)"
+        return str(get_name())
 
     def peak_flops(self, dtype: torch.dtype) -> float | None:
         tflops = lookup_peak_tflops(TPU_PEAK_TFLOPS, self.device_name(), str(dtype).removeprefix("torch."))
         return None if tflops is None else tflops * 1e12
+
+    def profiler_activities(self) -> list[torch.profiler.ProfilerActivity]:
+        # TorchTPU registers a Kineto backend for its PrivateUse1 device
+        # (torch_tpu/_loader.py: profiler.register_kineto_backend()).
+        activity = torch.profiler.ProfilerActivity
+        return [activity.CPU, activity.PrivateUse1]
