@@ -106,10 +106,10 @@ _SDP_FLAGS = frozenset(
 )
 _SDP_KWARGS = frozenset({"enable_flash", "enable_mem_efficient", "enable_math", "enable_cudnn"})
 _BACKEND_FLAG_REPLACEMENTS: dict[str, str] = {
-    "allow_tf32": 'torch.set_float32_matmul_precision("high")',
-    "allow_fp16_reduced_precision_reduction": 'torch.set_float32_matmul_precision("high") / bf16 autocast',
-    "allow_bf16_reduced_precision_reduction": 'torch.set_float32_matmul_precision("high") / bf16 autocast',
-    "deterministic": "torch.use_deterministic_algorithms(True)",
+    "allow_tf32": '`torch.set_float32_matmul_precision("high")`',
+    "allow_fp16_reduced_precision_reduction": "bf16 autocast: `torch.autocast(device_type, dtype=torch.bfloat16)`",
+    "allow_bf16_reduced_precision_reduction": "bf16 autocast: `torch.autocast(device_type, dtype=torch.bfloat16)`",
+    "deterministic": "`torch.use_deterministic_algorithms(True)`",
     "benchmark": "drop it (cuDNN autotuning; other backends' compilers tune per static shape)",
 }
 
@@ -844,7 +844,7 @@ class _FileScan:
         method = self.method(node)
         builtin = self.builtin(node)
         if method == "cuda":
-            self.report_method("cuda-call", node, f"`{ast.unparse(node)}` moves to an NVIDIA GPU")
+            self.report_method("cuda-call", node, f"`{_short(ast.unparse(node))}` moves to an NVIDIA GPU")
         if qualname is not None and qualname.split(".")[-1] == "DistributedDataParallel":
             for keyword in node.keywords:
                 if keyword.arg in ("device_ids", "output_device") and not _is_none(keyword.value):
