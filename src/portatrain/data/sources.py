@@ -53,6 +53,13 @@ def expand_source(spec: str) -> list[Path]:
                 f"data.dataset={spec!r}: the glob matches no {'/'.join(SUFFIXES)} file; check the pattern"
             )
         return files
+    if path.is_dir() and (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
+        # A ``datasets.save_to_disk`` directory: its Arrow files, in the order state.json lists them.
+        try:
+            state = json.loads((path / "state.json").read_text())
+            return [path / f["filename"] for f in state["_data_files"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DataError(f"{path / 'state.json'}: not a datasets save_to_disk state ({exc})") from None
     if path.is_dir():
         files = sorted(
             p
