@@ -115,7 +115,7 @@ _RULES: tuple[Rule, ...] = (
         1,
         "CUDA-only API",
         '`pin_memory` switched on for CUDA (`True`, `torch.cuda.is_available()`, `pin_memory_device="cuda"`)',
-        "let the adapter decide (`pin_memory=accelerator.pin_memory`), or leave it off",
+        "leave it off, or make it a per-device setting that the device adapter owns (it helps host-to-GPU copies only)",
     ),
     Rule(
         "nccl-backend",

@@ -363,6 +363,7 @@ def _display(path: Path) -> str:
 class _FileScan:
     def __init__(self, tree: ast.Module, source: str, path: str) -> None:
         self.tree = tree
+        self.source = source
         self.path = path
         self.line_bytes = [line.encode("utf-8") for line in source.splitlines()]
         self.suppressions = _read_suppressions(source)
@@ -442,6 +443,11 @@ class _FileScan:
 
     def claim(self, node: ast.AST) -> None:
         self.claimed.update(id(n) for n in ast.walk(node))
+
+    def text(self, node: ast.AST, limit: int = 60) -> str:
+        """The expression as written in the file (whitespace collapsed, long ones shortened)."""
+        segment = ast.get_source_segment(self.source, node) or ast.unparse(node)
+        return _short(" ".join(segment.split()), limit)
 
     # -- names ----------------------------------------------------------------------------------
     def qualname(self, node: ast.AST) -> str | None:
@@ -759,7 +765,7 @@ class _FileScan:
             )
             if cuda_tied or (isinstance(value, ast.Constant) and value.value is True):
                 self.report(
-                    "pin-memory-cuda", node, f"`pin_memory={ast.unparse(value)}` pins host memory for CUDA"
+                    "pin-memory-cuda", node, f"`pin_memory={self.text(value)}` pins host memory for CUDA"
                 )
                 self.claim(value)
         elif node.arg == "pin_memory_device" and _cuda_string(value):
@@ -776,7 +782,7 @@ class _FileScan:
                 self.report(
                     "pad-to-batch-max",
                     node,
-                    f"`padding={ast.unparse(value)}` pads each batch to its own longest sequence",
+                    f"`padding={self.text(value)}` pads each batch to its own longest sequence",
                     '`padding="max_length", max_length=N`, or `pad_to_multiple_of=` a bucket width',
                 )
         elif node.arg == "attn_implementation" and str(getattr(value, "value", "")).startswith(
@@ -812,11 +818,11 @@ class _FileScan:
                     self.report(
                         "host-sync",
                         part,
-                        f"formatting the tensor `{ast.unparse(part.value)}` in the training step waits on the device",
+                        f"formatting the tensor `{self.text(part.value)}` in the training step waits on the device",
                     )
 
     def _check_device_string(self, node: ast.expr, parent: ast.AST | None) -> None:
-        text = _show(node)
+        text = self.text(node)
         explicit = not (isinstance(node, ast.Constant) and node.value == "cuda")  # "cuda:0", f"cuda:{r}"
         context = False
         if isinstance(parent, ast.keyword):
@@ -837,14 +843,14 @@ class _FileScan:
             and node.left.value == "cuda:"
             and id(node) not in self.claimed
         ):
-            self.report("cuda-device-string", node, f"`{ast.unparse(node)}` hard-codes the CUDA device")
+            self.report("cuda-device-string", node, f"`{self.text(node)}` hard-codes the CUDA device")
 
     def _check_Call(self, node: ast.Call) -> None:
         qualname = self.qualname(node.func)
         method = self.method(node)
         builtin = self.builtin(node)
         if method == "cuda":
-            self.report_method("cuda-call", node, f"`{_short(ast.unparse(node))}` moves to an NVIDIA GPU")
+            self.report_method("cuda-call", node, f"`{self.text(node)}` moves to an NVIDIA GPU")
         if qualname is not None and qualname.split(".")[-1] == "DistributedDataParallel":
             for keyword in node.keywords:
                 if keyword.arg in ("device_ids", "output_device") and not _is_none(keyword.value):
@@ -874,7 +880,7 @@ class _FileScan:
             self.report(
                 "torch-load-implicit",
                 node,
-                f"`torch.load(weights_only={ast.unparse(flag)})`: not provably True",
+                f"`torch.load(weights_only={self.text(flag)})`: not provably True",
             )
 
     def _check_step_call(
@@ -899,7 +905,7 @@ class _FileScan:
             self.report(
                 "host-sync",
                 node,
-                f"`{builtin}({ast.unparse(node.args[0])})` of a tensor in the training step waits on the device",
+                f"`{builtin}({self.text(node.args[0], 40)})` of a tensor in the training step waits on the device",
             )
         if method in _DYNAMIC_SHAPE_METHODS:
             self.report_method(
@@ -921,7 +927,7 @@ class _FileScan:
             self.report(
                 "data-dependent-shape",
                 node,
-                f"boolean-mask indexing `{ast.unparse(node)}`: its shape depends on the mask's values",
+                f"boolean-mask indexing `{self.text(node)}`: its shape depends on the mask's values",
             )
 
     def _is_boolean_index(self, index: ast.expr, depth: int = 0) -> bool:
@@ -963,7 +969,7 @@ class _FileScan:
             self.report(
                 "tensor-control-flow",
                 test,
-                f"`{keyword} {ast.unparse(test)}` reads a tensor's value on the host every step",
+                f"`{keyword} {self.text(test)}` reads a tensor's value on the host every step",
             )
 
     # -- attention ------------------------------------------------------------------------------
@@ -978,7 +984,7 @@ class _FileScan:
             self.report(
                 "manual-attention",
                 node,
-                f"softmax over a query-key product (`{_short(ast.unparse(scores))}`): attention outside SDPA",
+                f"softmax over a query-key product (`{self.text(scores)}`): attention outside SDPA",
             )
 
     def _contains_qk(self, node: ast.AST, depth: int) -> bool:
@@ -1054,7 +1060,7 @@ class _FileScan:
         self.report(
             "pad-to-batch-max",
             node,
-            f"`{_short(ast.unparse(node))}`: padding to this batch's longest sequence",
+            f"`{self.text(node)}`: padding to this batch's longest sequence",
         )
 
     def _is_length_expr(self, node: ast.AST) -> bool:
