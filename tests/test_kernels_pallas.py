@@ -1,0 +1,149 @@
+"""Pallas kernels against the PyTorch references: interpret mode on CPU; the TorchTPU bridge on a TPU.
+
+* Parity through the registered custom ops (``pallas_interpret_*``): the cases and tolerances of
+  ``portatrain.kernels.parity`` -- what ``portatrain kernels check`` runs.
+* The kernels alone, with a small ``block_rows`` so every grid has several blocks and a ragged last
+  one, under both interpreters: ``interpret=True`` and the TPU interpreter
+  (``pltpu.InterpretParams``: TPU memory semantics, uninitialized memory filled with NaN, so a
+  kernel that reads past the array into a reduction shows up).
+* ``torch.compile(fullgraph=True)`` keeps each kernel as one custom op.
+* The TorchTPU bridge (``pallas_*``) needs a TPU and torch_tpu: skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+jax = pytest.importorskip("jax", reason="jax is not installed (pip install 'portatrain[pallas]')")
+
+import jax.numpy as jnp  # noqa: E402
+from jax.experimental.pallas import tpu as pltpu  # noqa: E402
+
+from portatrain.kernels import OVERRIDES, apply, reference, resolve  # noqa: E402
+from portatrain.kernels.pallas import kernels as K  # noqa: E402
+from portatrain.kernels.parity import TOLERANCES, rope_tables, run_check  # noqa: E402
+
+
+@pytest.mark.parametrize("operation", ["rmsnorm", "swiglu", "rope"])
+def test_interpret_override_matches_reference_forward_and_backward(operation: str) -> None:
+    results = run_check(OVERRIDES[f"pallas_interpret_{operation}"])
+    assert {r.dtype for r in results} == {torch.float32, torch.bfloat16}
+    for r in results:
+        assert r.ok, r
+
+
+def _j(t: torch.Tensor) -> jax.Array:
+    return jnp.asarray(t.numpy())
+
+
+def _t(a: jax.Array) -> torch.Tensor:
+    return torch.from_numpy(np.array(a))  # a writable copy
+
+
+INTERPRETERS = [pytest.param(True, id="interpret"), pytest.param(pltpu.InterpretParams(), id="tpu_interpret")]
+
+
+@pytest.mark.parametrize("interpret", INTERPRETERS)
+def test_rmsnorm_kernel_over_several_blocks_and_a_ragged_one(interpret: object) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 21, 128, generator=gen) * 2  # 63 rows in blocks of 8: the last holds 7
+    w = 1 + 0.1 * torch.randn(128, generator=gen)
+    g = torch.randn(x.shape, generator=gen)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    reference.rmsnorm(xr, wr, 1e-5).backward(g)
+    out = K.rmsnorm_fwd(_j(x), _j(w), 1e-5, interpret=interpret, block_rows=8)
+    dx, dw = K.rmsnorm_bwd(_j(x), _j(w), _j(g), 1e-5, interpret=interpret, block_rows=8)
+    tol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(_t(out), reference.rmsnorm(x, w, 1e-5), atol=tol.atol, rtol=tol.rtol)
+    torch.testing.assert_close(_t(dx), xr.grad, atol=tol.atol, rtol=tol.rtol)
+    torch.testing.assert_close(_t(dw), wr.grad, atol=tol.atol, rtol=tol.rtol)
+
+
+@pytest.mark.parametrize("interpret", INTERPRETERS)
+def test_swiglu_kernel_over_row_and_column_blocks(interpret: object) -> None:
+    gen = torch.Generator().manual_seed(2)
+    # 2304 columns: one 2048-lane block and a ragged 256-lane one; 13 rows in blocks of 8.
+    a, b, g = (torch.randn(13, 2304, generator=gen) for _ in range(3))
+    ar, br = a.clone().requires_grad_(), b.clone().requires_grad_()
+    reference.swiglu(ar, br).backward(g)
+    out = K.swiglu_fwd(_j(a), _j(b), interpret=interpret, block_rows=8)
+    da, db = K.swiglu_bwd(_j(a), _j(b), _j(g), interpret=interpret, block_rows=8)
+    tol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(_t(out), reference.swiglu(a, b), atol=tol.atol, rtol=tol.rtol)
+    torch.testing.assert_close(_t(da), ar.grad, atol=tol.atol, rtol=tol.rtol)
+    torch.testing.assert_close(_t(db), br.grad, atol=tol.atol, rtol=tol.rtol)
+
+
+@pytest.mark.parametrize("interpret", INTERPRETERS)
+@pytest.mark.parametrize("per_row", [False, True], ids=["tables_SD", "tables_B1SD"])
+def test_rope_kernel_over_sequence_blocks(interpret: object, per_row: bool) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 20, 16, generator=gen)  # 20 positions in blocks of 8: the last holds 4
+    positions = torch.randint(0, 64, (2, 20), generator=gen) if per_row else torch.arange(20)
+    cos, sin = rope_tables(positions, 16)
+    if per_row:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    g = torch.randn(x.shape, generator=gen)
+    xr = x.clone().requires_grad_()
+    reference.rope(xr, cos, sin).backward(g)
+    out = K.rope_fwd(_j(x), _j(cos), _j(sin), interpret=interpret, block_rows=8)
+    dx = K.rope_bwd(_j(g), _j(cos), _j(sin), interpret=interpret, block_rows=8)
+    tol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(_t(out), reference.rope(x, cos, sin), atol=tol.atol, rtol=tol.rtol)
+    torch.testing.assert_close(_t(dx), xr.grad, atol=tol.atol, rtol=tol.rtol)
+
+
+def test_block_rows_must_fit_tpu_sublanes() -> None:
+    with pytest.raises(ValueError, match="multiple of 8"):
+        K.rmsnorm_fwd(jnp.ones((16, 128)), jnp.ones((128,)), 1e-5, interpret=True, block_rows=12)
+
+
+def test_interpret_ops_compile_to_one_graph_without_breaks() -> None:
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(32))
+            self.gate = nn.Linear(32, 64, bias=False)
+            self.up = nn.Linear(32, 64, bias=False)
+            self.rmsnorm_fn, self.swiglu_fn, self.rope_fn = (
+                reference.rmsnorm,
+                reference.swiglu,
+                reference.rope,
+            )
+
+        def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            h = self.rmsnorm_fn(x, self.weight, 1e-5)
+            h = self.rope_fn(h.view(2, 4, 2, 16).transpose(1, 2), cos, sin).transpose(1, 2).reshape(2, 4, 32)
+            return self.swiglu_fn(self.gate(h), self.up(h)).sum()
+
+    block = Block()
+    apply(
+        block,
+        resolve(["pallas_interpret_rmsnorm", "pallas_interpret_swiglu", "pallas_interpret_rope"], "cpu"),
+    )
+    x = torch.randn(2, 4, 32, requires_grad=True)
+    cos, sin = rope_tables(torch.arange(4), 16)
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(block)(x, cos, sin)
+    assert explain.graph_count == 1 and explain.graph_break_count == 0, explain.break_reasons
+    targets = [str(n.target) for g in explain.graphs for n in g.graph.nodes if n.op == "call_function"]
+    for op in ("pallas_interpret_rmsnorm", "pallas_interpret_swiglu", "pallas_interpret_rope"):
+        assert any(op in t for t in targets), (op, targets)
+    eager = block(x, cos, sin)
+    (eager_grad,) = torch.autograd.grad(eager, x)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)(x, cos, sin)
+    (compiled_grad,) = torch.autograd.grad(compiled, x)
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(compiled_grad, eager_grad)
+
+
+@pytest.mark.skipif(getattr(torch, "tpu", None) is None, reason="needs a TPU and torch_tpu")
+@pytest.mark.parametrize("operation", ["rmsnorm", "swiglu", "rope"])
+def test_tpu_bridge_matches_reference(operation: str) -> None:  # pragma: no cover - TPU hosts only
+    for r in run_check(OVERRIDES[f"pallas_{operation}"]):
+        assert r.ok, r
