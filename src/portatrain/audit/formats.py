@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 from portatrain.audit.rules import RULES, SEVERITIES
@@ -89,7 +90,7 @@ def render_json(result: AuditResult, fail_on: str) -> str:
         "tool": {"name": "portatrain audit", "version": tool_version()},
         "paths": result.paths,
         "files": result.files,
-        "config": result.config.source,
+        "config": _relative(result.config.source),
         "fail_on": fail_on,
         "failed": result.fails(fail_on),
         "summary": summary(result),
@@ -98,6 +99,16 @@ def render_json(result: AuditResult, fail_on: str) -> str:
         "rules": effective_rules(result),
     }
     return json.dumps(document, indent=2)
+
+
+def _relative(path: str | None) -> str | None:
+    """A path relative to the working directory where it lies below it (stable across checkouts)."""
+    if path is None:
+        return None
+    try:
+        return Path(path).resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return path
 
 
 def render_text(result: AuditResult, fail_on: str) -> str:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from portatrain.config import ConfigError
+from portatrain.errors import ConfigError
 
 
 class SubmitError(ConfigError):
