@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
 from portatrain.accelerators import ACCELERATORS, AUTO_ORDER, DeviceUnavailableError, resolve_accelerator
+from portatrain.accelerators.neuron import NeuronAccelerator
+from portatrain.accelerators.tpu import TPUAccelerator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,7 +27,7 @@ def _run_with_fake_vendor(tmp_path: Path, module: str, body: str, code: str) -> 
 
 def test_auto_order_and_registry() -> None:
     assert AUTO_ORDER == ("tpu", "neuron", "cuda", "cpu")
-    assert set(ACCELERATORS) == {"cpu", "cuda", "tpu", "neuron", "mps"}
+    assert {"cpu", "cuda", "tpu", "neuron", "mps"} <= set(ACCELERATORS)  # plus sim (simulated device)
 
 
 def test_auto_picks_cpu_here_and_probes_it() -> None:
@@ -87,3 +90,44 @@ print("IMPORTED", "torch_tpu" in sys.modules)
     assert out.returncode == 0, out.stderr
     assert "ERR device=tpu was requested but cannot be used" in out.stdout
     assert "IMPORTED True" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "tflops"),
+    [
+        ("TPU v4", torch.bfloat16, 275.0),
+        ("TPU v5e", torch.bfloat16, 197.0),
+        ("TPU v5p", torch.bfloat16, 459.0),
+        ("TPU v6e", torch.bfloat16, 918.0),
+        ("TPU v7", torch.bfloat16, 2307.0 / 2),  # two devices per chip
+        ("TPU v6e", torch.float32, None),  # no published fp32 matmul rate
+        ("TPU", torch.bfloat16, None),  # what get_device_name returns for an unknown generation
+    ],
+)
+def test_tpu_peak_per_device_from_get_device_name(monkeypatch, name, dtype, tflops) -> None:
+    monkeypatch.setattr(torch, "tpu", types.SimpleNamespace(get_device_name=lambda: name), raising=False)
+    acc = TPUAccelerator(0)
+    assert acc.device_name() == name
+    peak = acc.peak_flops(dtype)
+    assert peak == (None if tflops is None else pytest.approx(tflops * 1e12))
+
+
+@pytest.mark.parametrize(
+    ("chip", "lnc", "dtype", "tflops"),
+    [
+        ("trn2", None, torch.bfloat16, 667.0 / 4),  # default LNC=2: 4 logical cores per chip
+        ("trn2", "2", torch.float32, 181.0 / 4),
+        ("trn2", "1", torch.bfloat16, 667.0 / 8),
+        ("trn3", None, torch.bfloat16, 671.0 / 4),
+        ("TRN3", None, torch.float32, 183.0 / 4),
+        (None, None, torch.bfloat16, None),
+    ],
+)
+def test_neuron_peak_per_logical_core(monkeypatch, chip, lnc, dtype, tflops) -> None:
+    for var, value in (("PORTATRAIN_NEURON_CHIP", chip), ("NEURON_LOGICAL_NC_CONFIG", lnc)):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+    peak = NeuronAccelerator(0).peak_flops(dtype)
+    assert peak == (None if tflops is None else pytest.approx(tflops * 1e12))

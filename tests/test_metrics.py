@@ -10,8 +10,6 @@ import torch
 
 from portatrain.accelerators.cpu import CPUAccelerator
 from portatrain.accelerators.cuda import CUDAAccelerator
-from portatrain.accelerators.neuron import NeuronAccelerator
-from portatrain.accelerators.tpu import TPUAccelerator
 from portatrain.metrics import memory_high_water, model_flops, resolve_peak_flops, throughput_metrics
 from portatrain.models.llama.model import LLAMA3_FLAVORS
 from portatrain.trainer import Trainer
@@ -107,42 +105,7 @@ def test_cuda_fp32_peak_is_tf32_when_tf32_is_enabled(monkeypatch) -> None:
     assert CUDAAccelerator(0).peak_flops(torch.float32) == pytest.approx(156e12)
 
 
-@pytest.mark.parametrize(
-    ("env", "value", "dtype", "tflops"),
-    [
-        ("PORTATRAIN_TPU_CHIP", "v5e", torch.bfloat16, 197.0),
-        ("PORTATRAIN_TPU_CHIP", "v5p", torch.bfloat16, 459.0),
-        ("PORTATRAIN_TPU_CHIP", "v6e", torch.bfloat16, 918.0),
-        ("TPU_ACCELERATOR_TYPE", "v5litepod-16", torch.bfloat16, 197.0),
-        ("PORTATRAIN_TPU_CHIP", "v6e", torch.float32, None),  # no published fp32 matmul rate
-        ("PORTATRAIN_TPU_CHIP", "v4", torch.bfloat16, None),
-        (None, None, torch.bfloat16, None),
-    ],
-)
-def test_tpu_peak_by_chip(monkeypatch, env, value, dtype, tflops) -> None:
-    monkeypatch.delenv("PORTATRAIN_TPU_CHIP", raising=False)
-    monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
-    if env:
-        monkeypatch.setenv(env, value)
-    peak = TPUAccelerator(0).peak_flops(dtype)
-    assert peak == (None if tflops is None else pytest.approx(tflops * 1e12))
-
-
-@pytest.mark.parametrize(
-    ("chip", "dtype", "tflops"),
-    [
-        ("trn1", torch.bfloat16, 190.0),
-        ("trn2", torch.bfloat16, 667.0),
-        ("trn2", torch.float32, 181.0),
-        (None, torch.bfloat16, None),
-    ],
-)
-def test_neuron_peak_by_chip(monkeypatch, chip, dtype, tflops) -> None:
-    monkeypatch.delenv("PORTATRAIN_NEURON_CHIP", raising=False)
-    if chip:
-        monkeypatch.setenv("PORTATRAIN_NEURON_CHIP", chip)
-    peak = NeuronAccelerator(0).peak_flops(dtype)
-    assert peak == (None if tflops is None else pytest.approx(tflops * 1e12))
+# The TPU and Neuron peak tables are tested with their adapters (tests/test_accelerators.py).
 
 
 def test_cpu_peak_is_measured_once_and_override_wins() -> None:

@@ -127,7 +127,8 @@ class NeuronAccelerator(Accelerator):
         share = f"logical NeuronCore (1/{self.logical_cores_per_chip()} chip)"
         if chip:
             return f"Trainium {chip.lower()}, {share}"
-        return f"Neuron {share} of unknown generation (set {NEURON_CHIP_ENV}=trn2 or trn3)"
+        # No generation in the text: it must match no table row.
+        return f"Neuron {share} of unknown generation (set {NEURON_CHIP_ENV})"
 
     def peak_flops(self, dtype: torch.dtype) -> float | None:
         precision = str(dtype).removeprefix("torch.")
