@@ -10,7 +10,7 @@ import pytest
 
 from portatrain.accelerators.cpu import CPUAccelerator
 from portatrain.bench import cost_per_million_tokens, percentile, plot_step_times, run_bench
-from portatrain.config import ConfigError
+from portatrain.errors import ConfigError
 from portatrain.trainer import Trainer
 from tests.conftest import TINY, compose_config, run_cli
 

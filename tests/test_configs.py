@@ -8,7 +8,8 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError
 
-from portatrain.config import ConfigError, validate
+from portatrain.errors import ConfigError
+from portatrain.validate import validate
 from tests.conftest import ROOT, compose_config
 
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))

@@ -65,7 +65,7 @@ def test_cli_export_loads_in_transformers_with_matching_logits(trained, tmp_path
 def test_export_in_process_auto_bf16_and_no_overwrite(trained, tmp_path: Path) -> None:
     run_dir, trainer = trained
     cfg = compose_config(TINY + [f"export.out={tmp_path / 'bf16'}", "export.dtype=bfloat16"], run_dir=run_dir)
-    out = export_command(cfg)
+    out = export_command(cfg.export, cfg.run_dir)
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     from safetensors import safe_open
 
@@ -73,12 +73,12 @@ def test_export_in_process_auto_bf16_and_no_overwrite(trained, tmp_path: Path) -
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}  # noqa: SIM118 (safe_open is not iterable)
     before = sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir())
     with pytest.raises(CheckpointError, match="already exists"):
-        export_command(cfg)
+        export_command(cfg.export, cfg.run_dir)
     assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) == before
 
     empty = compose_config(TINY + [f"export.out={tmp_path / 'x'}"], run_dir=tmp_path / "no_run")
     with pytest.raises(CheckpointError, match="no complete checkpoint under"):
-        export_command(empty)
+        export_command(empty.export, empty.run_dir)
 
 
 def test_export_one_shard_and_a_tensor_larger_than_the_limit(trained, tmp_path: Path) -> None:

@@ -84,7 +84,7 @@ def test_init_from_errors_name_the_file_and_the_mismatch(tmp_path: Path) -> None
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "small")
     with pytest.raises(CheckpointError) as info:
         init_from(tmp_path / "small", tmp_path / "b")
-    assert "config.json" in str(info.value) and "dim: config.json has 64, the model 128" in str(info.value)
+    assert "config.json" in str(info.value) and "hidden_size: config.json has 64, the model 128" in str(info.value)
 
     (tmp_path / "small" / "config.json").write_text(json.dumps(hf_config(args, torch_dtype="float32")))
     with pytest.raises(CheckpointError, match=r"embed_tokens.weight: file \[258, 64\], model \[258, 128\]"):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from portatrain.config import ConfigError
+from portatrain.errors import ConfigError
 from portatrain.launch import render_job, training_overrides
 from tests.conftest import ROOT, TINY, compose_config, run_cli
 from tests.test_distributed import free_port

@@ -204,7 +204,7 @@ def test_profiler_writes_a_trace_of_the_window(tmp_path: Path) -> None:
 
 
 def test_profile_window_must_be_positive(tmp_path: Path) -> None:
-    from portatrain.config import ConfigError
+    from portatrain.errors import ConfigError
 
     trainer = Trainer(compose_config(TINY + ["profile.enabled=true", "profile.steps=0"], run_dir=tmp_path))
     try:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from portatrain.models import FLAVORS, build_model, model_args
+from portatrain.models import SPECS, build_model, model_args
 from portatrain.models.llama.hf import hf_config
 from portatrain.models.llama.model import LLAMA3_FLAVORS, Llama, LlamaArgs, RopeScaling
 
@@ -226,8 +226,12 @@ def test_flops_per_token_convention():
 
 
 def test_invalid_args_report_every_problem():
-    with pytest.raises(ValueError) as info:
-        LlamaArgs(dim=100, n_heads=3, n_kv_heads=2)
+    args = LlamaArgs(dim=100, n_heads=3, n_kv_heads=2)
+    problems = args.problems()
+    assert any("divisible by n_heads(3)" in p for p in problems)
+    assert any("multiple of n_kv_heads(2)" in p for p in problems)
+    with pytest.raises(ValueError) as info, torch.device("meta"):
+        Llama(args)  # the model refuses to build from invalid arguments
     message = str(info.value)
     assert "divisible by n_heads(3)" in message and "multiple of n_kv_heads(2)" in message
 
@@ -235,7 +239,7 @@ def test_invalid_args_report_every_problem():
 def test_build_model_applies_tokenizer_and_config_overrides():
     from portatrain.config import ModelConfig
 
-    assert FLAVORS["llama3"] is LLAMA3_FLAVORS
+    assert SPECS["llama3"].flavors is LLAMA3_FLAVORS
     with torch.device("meta"):
         model = build_model(ModelConfig(flavor="8b", max_seq_len=4096), vocab_size=258)
     assert model.args.vocab_size == 258 and model.args.max_seq_len == 4096 and model.args.n_layers == 32

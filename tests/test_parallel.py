@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from portatrain.config import ConfigError, validate
+from portatrain.errors import ConfigError
+from portatrain.validate import validate
 from portatrain.models import build_model
 from portatrain.parallel import ParallelDims, clip_grad_norm_
 from portatrain.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -79,11 +80,11 @@ def test_cli_prints_the_layout_error_without_a_traceback(tmp_path: Path) -> None
 def test_world_size_outside_torchrun_comes_from_the_job_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = compose_config(["parallel.launch.nodes=4", "parallel.launch.procs_per_node=8"])
-    assert expected_world_size(cfg) == 32
+    assert expected_world_size(cfg.parallel) == 32
     cfg = compose_config(["dry_run=true", "parallel.dp_shard=8", "parallel.tp=8"])
-    assert expected_world_size(cfg) == 64  # a plan, not a launch
+    assert expected_world_size(cfg.parallel, dry_run=True) == 64  # a plan, not a launch
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert expected_world_size(cfg) == 2
+    assert expected_world_size(cfg.parallel, dry_run=True) == 2
 
 
 def test_dry_run_of_llama70b_plans_a_tp_x_dp_layout_without_processes(

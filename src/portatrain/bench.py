@@ -26,17 +26,20 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from portatrain.config import ConfigError
+from portatrain.config import BenchConfig, Config
+from portatrain.errors import ConfigError
 from portatrain.metrics import GIB, memory_high_water, throughput_metrics
-from portatrain.trainer import Trainer
+
+if TYPE_CHECKING:  # imported by run_bench: the validator reads bench_problems without the Trainer
+    from portatrain.trainer import Trainer
 
 
-def bench_problems(bench_cfg: Any) -> list[str]:
+def bench_problems(bench_cfg: BenchConfig) -> list[str]:
     """Every problem with the ``bench`` config group, each with its fix."""
     problems = []
     if bench_cfg.steps < 1:
@@ -91,8 +94,9 @@ def timed_trainer_class(base: type[Trainer]) -> type[Trainer]:
     return BenchTrainer
 
 
-def run_bench(cfg: DictConfig, trainer_cls: type[Trainer] | None = None) -> dict[str, Any]:
+def run_bench(cfg: Config, trainer_cls: type[Trainer] | None = None) -> dict[str, Any]:
     """Run the bench for a composed config; return the results (rank 0 also writes and prints them)."""
+    from portatrain.trainer import Trainer
     start = time.perf_counter()
     problems = bench_problems(cfg.bench)
     if problems:
@@ -117,7 +121,7 @@ def run_bench(cfg: DictConfig, trainer_cls: type[Trainer] | None = None) -> dict
         trainer.close()
 
 
-def _summarize(trainer: Trainer, cfg: DictConfig, *, start: float, constructed: float) -> dict[str, Any]:
+def _summarize(trainer: Trainer, cfg: Config, *, start: float, constructed: float) -> dict[str, Any]:
     warmup, steps = int(cfg.bench.warmup_steps), int(cfg.bench.steps)
     ends = [end for end, _, _ in trainer.bench_steps]
     step_times = [ends[0] - constructed] + [b - a for a, b in zip(ends, ends[1:])]

@@ -7,12 +7,14 @@ this module makes that list pay off and proves it held:
 - :func:`compile_options` -- the backend and ``dynamic`` flag: the accelerator adapter's compiler
   (inductor on cpu/cuda, the vendor's on tpu/neuron), ``dynamic=False`` where the adapter wants
   static shapes; ``compile.backend`` / ``compile.dynamic`` override either.
-- :func:`compile_blocks` -- compiles every transformer block of ``model.layers`` in place, as
-  torchtitan does: identical blocks share one graph per shape, while the embedding, the output
-  head and the loss stay eager. Called by the model family's ``parallelize.py`` between activation
-  checkpointing and FSDP2.
-- :func:`warmup_batches` -- one synthetic batch per shape the loader can emit, built by the
-  configured collator itself so its keys, dtypes and masks are exactly those of real batches.
+- :func:`block_compiler` -- the ``compile_block`` callable a model family's ``parallelize.py``
+  receives (``None`` when compilation is off): it compiles one transformer block in place, as
+  torchtitan does, between activation checkpointing and FSDP2. Identical blocks share one graph per
+  shape, while the embedding, the output head and the loss stay eager. Models never import this
+  module. :func:`compile_blocks` applies it to every block of ``model.layers``.
+- :func:`warmup_batches` -- one synthetic batch per shape the loader can emit, built by the loader's
+  own collate function (handed over by the trainer) so its keys, dtypes and masks are exactly those
+  of real batches.
 - :class:`CompileMonitor` -- counts graphs, times the warm-up per shape, then arms the guard:
   after warm-up any recompilation is unexpected; ``compile.on_recompile=error`` stops with a
   :class:`RecompileError` naming the batch shape and the dynamo guard that failed (through
@@ -31,10 +33,16 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from portatrain.config import CompileConfig
+from portatrain.errors import UserError
+
+if TYPE_CHECKING:
+    from portatrain.accelerators import Accelerator
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +52,27 @@ Shape = tuple[int, ...]
 _FAIL_ON_RECOMPILE = "fail_on_recompile"
 
 
-class RecompileError(RuntimeError):
+ON_RECOMPILE = ("error", "warn")
+"""Allowed values of ``compile.on_recompile``."""
+
+
+def compile_problems(compile_cfg: CompileConfig) -> list[str]:
+    """Every problem of the ``compile`` group (the validator's compile-stage check)."""
+    problems = []
+    if compile_cfg.on_recompile not in ON_RECOMPILE:
+        problems.append(
+            f"compile.on_recompile={compile_cfg.on_recompile!r} is not one of {', '.join(ON_RECOMPILE)}"
+        )
+    if compile_cfg.warmup and not compile_cfg.enabled:
+        problems.append("compile.warmup=true needs compile.enabled=true (nothing to warm up otherwise)")
+    return problems
+
+
+class RecompileError(UserError, RuntimeError):
     """A graph was recompiled after warm-up while ``compile.on_recompile=error``."""
 
 
-def compile_options(compile_cfg: Any, accelerator: Any) -> tuple[str, bool | None]:
+def compile_options(compile_cfg: CompileConfig, accelerator: Accelerator) -> tuple[str, bool | None]:
     """``(backend, dynamic)`` for ``torch.compile``: the adapter's choice unless the config overrides.
 
     ``dynamic=None`` (torch's default: static first, then dynamic after a shape changes) where the
@@ -60,14 +84,34 @@ def compile_options(compile_cfg: Any, accelerator: Any) -> tuple[str, bool | Non
     return backend, (False if accelerator.static_shapes else None)
 
 
-def compile_blocks(model: nn.Module, accelerator: Any, compile_cfg: Any) -> nn.Module:
-    """``torch.compile`` each block of ``model.layers`` in place; return the model.
+def block_compiler(
+    compile_cfg: CompileConfig, accelerator: Accelerator
+) -> Callable[[nn.Module], nn.Module] | None:
+    """The ``compile_block`` a parallelizer receives: compiles one block in place; None when disabled.
 
     In place (``Module.compile``) rather than wrapping, so parameter names -- and with them
     checkpoints and Hugging Face weight maps -- do not gain an ``_orig_mod.`` prefix. ``fullgraph``:
     a graph break inside a block would split it into several graphs per shape; fail loudly instead.
     Works on the meta device (compilation happens at the first call) and on blocks already wrapped
     for activation checkpointing. FSDP2 is applied afterwards; its hooks stay outside the graphs.
+    """
+    if not compile_cfg.enabled:
+        return None
+    backend, dynamic = compile_options(compile_cfg, accelerator)
+
+    def compile_block(block: nn.Module) -> nn.Module:
+        block.compile(backend=backend, dynamic=dynamic, fullgraph=True)
+        return block
+
+    compile_block.backend, compile_block.dynamic = backend, dynamic  # type: ignore[attr-defined]
+    return compile_block
+
+
+def compile_blocks(model: nn.Module, accelerator: Accelerator, compile_cfg: CompileConfig) -> nn.Module:
+    """Compile each block of ``model.layers`` in place (see :func:`block_compiler`); return the model.
+
+    For code that builds its own model outside a family's parallelizer (a ``Trainer.parallelize``
+    override, tests); ``compile_cfg.enabled`` is not consulted here.
     """
     layers = getattr(model, "layers", None)
     if not isinstance(layers, (nn.ModuleDict, nn.ModuleList)):
@@ -85,22 +129,27 @@ def compile_blocks(model: nn.Module, accelerator: Any, compile_cfg: Any) -> nn.M
 
 
 def warmup_batches(
-    data_cfg: Any, *, pad_id: int, vocab_size: int, seed: int = 0
+    collate: Callable[[list[Any]], dict[str, torch.Tensor]],
+    shapes: Sequence[tuple[int, int]],
+    *,
+    packed: bool,
+    vocab_size: int,
+    seed: int = 0,
 ) -> list[dict[str, torch.Tensor]]:
-    """One host batch per shape of ``batch_shapes(data_cfg)``, every position carrying a label.
+    """One host batch per ``(batch, seq)`` of ``shapes``, every position carrying a label.
 
-    Each row is one random document exactly as long as the row, passed through the configured
-    collator, so a bucket batch has no padding and a packing batch has the (plain causal) mask a
-    real one carries. Token ids come from a private generator: the global RNG is not touched.
+    ``collate`` is the loader's own collate function and ``shapes`` its
+    ``portatrain.data.loader.batch_shapes``; ``packed`` says whether it collates packed rows (lists of
+    documents) rather than documents. Each row is one random document exactly as long as the row,
+    passed through ``collate``, so a bucket batch has no padding and a packing batch has the (plain
+    causal) mask a real one carries. Token ids come from a private generator: the global RNG is not
+    touched.
     """
-    from portatrain.data.loader import batch_shapes, build_collator
-
-    collate = build_collator(data_cfg, pad_id=pad_id)
     generator = torch.Generator().manual_seed(seed)
     batches = []
-    for batch_size, seq_len in batch_shapes(data_cfg):
+    for batch_size, seq_len in shapes:
         docs = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=generator).tolist()
-        rows = [[doc] for doc in docs] if data_cfg.collator == "packing" else docs
+        rows = [[doc] for doc in docs] if packed else docs
         batches.append(collate(rows))
     return batches
 
@@ -142,7 +191,7 @@ class CompileMonitor:
     stance, which is process-wide.
     """
 
-    def __init__(self, compile_cfg: Any) -> None:
+    def __init__(self, compile_cfg: CompileConfig) -> None:
         self.enabled = bool(compile_cfg.enabled)
         self.on_recompile = compile_cfg.on_recompile
         self.warmed_shapes: list[Shape] = []

@@ -1,9 +1,13 @@
-"""Typed configuration for portatrain.
+"""Typed configuration for portatrain: the schema, and nothing else.
 
 Every component owns one dataclass here; :func:`register_configs` puts them in Hydra's
 ConfigStore as the schema of the YAML under ``conf/`` and ``recipes/``, so a misspelled key
-is an error instead of a silent default. :func:`validate` checks the composed config as a
-whole and raises once with every problem it found.
+is an error instead of a silent default. Each default lives here or in a ``conf/`` group file,
+never both.
+
+This module is a leaf: it imports nothing of portatrain, so every stage may import its dataclasses.
+Checking a composed config as a whole is ``portatrain.validate``'s job (it asks each stage for its
+problems); the allowed values of each option are defined by the stage that uses it.
 """
 
 from __future__ import annotations
@@ -11,7 +15,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -28,13 +31,33 @@ class DeviceConfig:
 @dataclass
 class ModelConfig:
     name: str = "llama3"
-    """Architecture family (only ``llama3`` today)."""
+    """Model family: a key of the registry ``portatrain.models.SPECS`` (``llama3``, ...)."""
     flavor: str = "debug"
-    """Named size within the family: ``debug``, ``1b``, ``3b``, ``8b``, ``70b``."""
+    """Named size within the family (Llama 3: ``debug``, ``1b``, ``3b``, ``8b``, ``70b``)."""
     vocab_size: int | None = None
     """Override the flavour's vocabulary size (the byte tokenizer needs 258)."""
     max_seq_len: int | None = None
     """Override the flavour's RoPE table length."""
+    # Custom sizes: None keeps the flavour's value. A family maps each key onto its arguments
+    # (``ModelSpec.config_overrides``); a key it does not support is a config error.
+    dim: int | None = None
+    """Hidden size."""
+    n_layers: int | None = None
+    """Transformer blocks."""
+    n_heads: int | None = None
+    """Query heads."""
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); must divide ``n_heads``."""
+    ffn_dim: int | None = None
+    """SwiGLU hidden width (HF ``intermediate_size``)."""
+    head_dim: int | None = None
+    """Width of one attention head, for families where it is not ``dim / n_heads`` (Qwen 3)."""
+    rope_theta: float | None = None
+    """RoPE base period."""
+    norm_eps: float | None = None
+    """RMSNorm epsilon."""
+    tie_embeddings: bool | None = None
+    """Share the embedding matrix with the output projection."""
     init_from: str | None = None
     """Local Hugging Face Llama directory (``config.json`` + safetensors) to initialize the weights
     from; each rank reads only its slices. Ignored when resuming from a checkpoint."""
@@ -326,91 +349,3 @@ def register_configs() -> None:
     cs.store(name="base_config", node=Config)
 
 
-_CHOICES = {
-    "device.type": ("auto", "cpu", "cuda", "tpu", "neuron", "mps"),
-    "data.collator": ("packing", "bucket", "pad_to_max"),
-    "data.overlong": ("truncate", "split", "error"),
-    "data.last_batch": ("drop", "pad"),
-    "data.sampler": ("length_grouped", "random", "sequential"),
-    "optim.decay": ("cosine", "linear", "constant"),
-    "trainer.dtype": ("auto", "float32", "bfloat16"),
-    "parallel.activation_checkpointing": ("none", "full", "selective"),
-    "compile.on_recompile": ("error", "warn"),
-    "export.dtype": ("float32", "bfloat16"),
-}
-
-
-KNOWN_KERNELS: tuple[str, ...] = ()
-"""Kernel overrides that ``kernels.enabled`` may name (see ``kernels/README.md``)."""
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; the message lists every problem with its fix."""
-
-
-def _get(cfg: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
-
-
-def validate(cfg: Any) -> None:
-    """Check a composed config as a whole; raise :class:`ConfigError` listing every problem."""
-    problems: list[str] = []
-    for key, choices in _CHOICES.items():
-        value = _get(cfg, key)
-        if value not in choices:
-            problems.append(f"{key}={value!r} is not one of {', '.join(choices)}")
-    from portatrain.models import FLAVORS  # local: config must stay importable without torch cost
-
-    family = FLAVORS.get(cfg.model.name)
-    if family is None:
-        problems.append(f"model.name={cfg.model.name!r} is unknown; choose one of {', '.join(FLAVORS)}")
-    elif cfg.model.flavor not in family:
-        problems.append(
-            f"model.flavor={cfg.model.flavor!r} is unknown for {cfg.model.name}; "
-            f"choose one of {', '.join(family)}"
-        )
-    else:
-        max_seq_len = cfg.model.max_seq_len or family[cfg.model.flavor].max_seq_len
-        longest = max(cfg.data.buckets) if cfg.data.collator == "bucket" else cfg.data.seq_len
-        if longest > max_seq_len:
-            problems.append(
-                f"the longest row ({longest} positions, from data.{'buckets' if cfg.data.collator == 'bucket' else 'seq_len'}) "
-                f"exceeds the model's RoPE table ({max_seq_len}); set model.max_seq_len>={longest} or shorten the data"
-            )
-    buckets = list(cfg.data.buckets)
-    if not buckets or buckets != sorted(set(buckets)) or buckets[0] <= 0:
-        problems.append(
-            f"data.buckets={buckets} must be a non-empty, strictly ascending list of positive lengths"
-        )
-    for key in (
-        "data.seq_len",
-        "data.batch_size",
-        "trainer.steps",
-        "trainer.grad_accum",
-        "trainer.log_every",
-    ):
-        if _get(cfg, key) <= 0:
-            problems.append(f"{key}={_get(cfg, key)} must be positive")
-    if not 0.0 <= cfg.data.eval_fraction < 1.0:
-        problems.append(f"data.eval_fraction={cfg.data.eval_fraction} must be in [0, 1)")
-    if cfg.optim.warmup_steps < 0 or cfg.optim.lr <= 0:
-        problems.append(
-            f"optim.lr={cfg.optim.lr} must be > 0 and optim.warmup_steps={cfg.optim.warmup_steps} >= 0"
-        )
-    if len(cfg.optim.betas) != 2:
-        problems.append(f"optim.betas={list(cfg.optim.betas)} must have two values, e.g. [0.9, 0.95]")
-    if cfg.compile.warmup and not cfg.compile.enabled:
-        problems.append("compile.warmup=true needs compile.enabled=true (nothing to warm up otherwise)")
-    unknown_kernels = [k for k in cfg.kernels.enabled if k not in KNOWN_KERNELS]
-    if unknown_kernels:
-        problems.append(
-            f"kernels.enabled={list(cfg.kernels.enabled)}: unknown kernel(s) {unknown_kernels}; "
-            f"available: {', '.join(KNOWN_KERNELS) or 'none yet'} (see kernels/README.md)"
-        )
-    from portatrain.parallel.parallel_dims import parallel_problems
-
-    problems += parallel_problems(cfg)
-    if problems:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

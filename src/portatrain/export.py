@@ -1,4 +1,5 @@
-"""``portatrain export``: a portatrain checkpoint -> a Hugging Face ``LlamaForCausalLM`` directory.
+"""``portatrain export``: a portatrain checkpoint -> a Hugging Face model directory (``LlamaForCausalLM``,
+``Qwen3ForCausalLM``... whatever the checkpoint's model family maps to).
 
 What this file does:
 
@@ -6,8 +7,10 @@ What this file does:
   (``auto`` is the newest complete checkpoint under ``run_dir``);
 - :func:`export_hf` writes ``config.json``, ``model-0000i-of-0000n.safetensors`` shards of at most
   ``export.max_shard_size`` each and ``model.safetensors.index.json``: what
-  ``transformers.LlamaForCausalLM.from_pretrained(out)`` loads, and what ``model.init_from=out``
-  reads back (see :func:`portatrain.checkpoint.load_hf_weights`).
+  ``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads, and what ``model.init_from=out``
+  reads back (see :func:`portatrain.checkpoint.load_hf_weights`). The family comes from the
+  checkpoint's ``trainer_state.json`` (``model_name``); its ``ModelSpec`` rebuilds the arguments and
+  supplies the key renaming and ``config.json``.
 
 The export streams: it reads from the DCP checkpoint only the tensors of one output shard at a time
 (a partial ``dcp.load``), so its peak memory is about one shard, whatever the model size and however
@@ -22,25 +25,27 @@ import logging
 import re
 import shutil
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from portatrain.checkpoint import CheckpointError, complete_checkpoints, inspect_checkpoint
-from portatrain.config import ConfigError
+from portatrain.config import ExportConfig
+from portatrain.dtypes import DTYPE_NAMES, DTYPES
+from portatrain.errors import ConfigError
+from portatrain.models import SPECS
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LEGACY_MODEL_NAME = "llama3"
+"""The family of checkpoints saved before ``trainer_state.json`` recorded ``model_name``."""
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
-def export_command(cfg: Any) -> Path:
-    """The ``export`` subcommand: resolve ``export.checkpoint`` and write ``export.out``."""
-    export = cfg.export
+def export_command(export: ExportConfig, run_dir: str | Path) -> Path:
+    """The ``export`` subcommand: resolve ``export.checkpoint`` (against ``run_dir``) and write ``export.out``."""
     if not export.out:
         raise ConfigError("export.out is not set: portatrain export checkpoint=PATH|auto out=DIR")
-    checkpoint = find_checkpoint(export.checkpoint, Path(cfg.run_dir))
+    checkpoint = find_checkpoint(export.checkpoint, Path(run_dir))
     out = export_hf(
         checkpoint, Path(export.out), max_shard_size=parse_size(export.max_shard_size), dtype=export.dtype
     )
@@ -73,16 +78,14 @@ def parse_size(size: str | int) -> int:
 
 
 def export_hf(checkpoint: Path, out: Path, *, max_shard_size: int, dtype: str = "float32") -> Path:
-    """Write the model weights of a portatrain checkpoint as a Hugging Face Llama directory."""
+    """Write the model weights of a portatrain checkpoint as a Hugging Face model directory."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
     from portatrain.data.tokenizer import build_tokenizer
-    from portatrain.models.llama.hf import hf_config, to_hf
-    from portatrain.models.llama.model import Llama, LlamaArgs, RopeScaling
 
-    if dtype not in _DTYPES:
-        raise ConfigError(f"export.dtype={dtype!r} is not one of {', '.join(_DTYPES)}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"export.dtype={dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
     checkpoint = Path(checkpoint)
     state, metadata = inspect_checkpoint(checkpoint)
     if out.exists() and any(out.iterdir()):
@@ -91,14 +94,20 @@ def export_hf(checkpoint: Path, out: Path, *, max_shard_size: int, dtype: str = 
     if not raw_args:
         raise CheckpointError(
             f"checkpoint {checkpoint}: trainer_state.json records no model architecture (a custom "
-            "build_model?); only portatrain Llama checkpoints can be exported"
+            "build_model?); only checkpoints of a registered model family can be exported"
         )
-    scaling = raw_args.get("rope_scaling")
-    args = LlamaArgs(**{**raw_args, "rope_scaling": RopeScaling(**scaling) if scaling else None})
+    model_name = state.get("model_name", LEGACY_MODEL_NAME)
+    spec = SPECS.get(model_name)
+    if spec is None:
+        raise CheckpointError(
+            f"checkpoint {checkpoint}: model family {model_name!r} is not registered in this portatrain "
+            f"(known: {', '.join(SPECS)})"
+        )
+    args = spec.args_from_dict(raw_args)
 
     with torch.device("meta"):
-        keys = list(Llama(args).state_dict())  # HF-friendly order: embedding, layers 0..n, norm, head
-    target = _DTYPES[dtype]
+        keys = list(spec.model_cls(args).state_dict())  # HF order: embedding, layers 0..n, norm, head
+    target = DTYPES[dtype]
     sizes = {}
     for key in keys:
         entry = metadata.state_dict_metadata.get(f"model.{key}")
@@ -127,14 +136,14 @@ def export_hf(checkpoint: Path, out: Path, *, max_shard_size: int, dtype: str = 
             raise CheckpointError(
                 f"reading checkpoint {checkpoint} failed: {type(exc).__name__}: {exc}"
             ) from exc
-        hf = {k: v.to(target).contiguous() for k, v in to_hf(tensors).items()}
+        hf = {k: v.to(target).contiguous() for k, v in spec.hf.to_hf(tensors).items()}
         save_file(hf, str(tmp / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(hf, name))
         del tensors, hf
 
     tokenizer = build_tokenizer(state.get("tokenizer", "byte"))
     config = {
-        **hf_config(args, torch_dtype=dtype),
+        **spec.hf.config(args, torch_dtype=dtype),
         "bos_token_id": tokenizer.bos_id,
         "eos_token_id": tokenizer.eos_id,
         "pad_token_id": tokenizer.pad_id,

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from portatrain.data.collate import IGNORE_INDEX
+from portatrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from portatrain.accelerators import Accelerator
@@ -152,8 +153,6 @@ class TensorBoardSink:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
-            from portatrain.config import ConfigError
-
             raise ConfigError(
                 f"metrics.tensorboard=true needs the tensorboard package ({exc}); "
                 "pip install 'portatrain[tensorboard]' or set metrics.tensorboard=false"

@@ -1,4 +1,11 @@
-"""AdamW with decoupled weight decay (none on norms and biases) and a warm-up + decay schedule."""
+"""The optimizer stage: AdamW with decoupled weight decay (none on norms and biases) and a warm-up +
+decay learning-rate schedule.
+
+- :func:`optim_problems` -- the ``optim`` group's problems (``portatrain.validate`` asks for them);
+- :func:`param_groups` / :func:`build_optimizer` -- AdamW, weight decay on matrices only;
+- :func:`lr_lambda` / :func:`build_lr_scheduler` -- linear warm-up, then cosine/linear/constant decay
+  to ``min_lr_ratio * lr``.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,28 @@ import torch
 from torch import nn
 
 from portatrain.config import OptimConfig
+from portatrain.errors import ConfigError
+
+OPTIMIZERS = ("adamw",)
+"""Allowed values of ``optim.name``."""
+DECAYS = ("cosine", "linear", "constant")
+"""Allowed values of ``optim.decay``: the LR's shape after warm-up."""
+
+
+def optim_problems(cfg: OptimConfig) -> list[str]:
+    """Every problem of the ``optim`` group (the validator's optimizer-stage check)."""
+    problems = []
+    if cfg.name not in OPTIMIZERS:
+        problems.append(f"optim.name={cfg.name!r} is unknown; the available optimizer is {', '.join(OPTIMIZERS)}")
+    if cfg.decay not in DECAYS:
+        problems.append(f"optim.decay={cfg.decay!r} is not one of {', '.join(DECAYS)}")
+    if cfg.warmup_steps < 0 or cfg.lr <= 0:
+        problems.append(f"optim.lr={cfg.lr} must be > 0 and optim.warmup_steps={cfg.warmup_steps} >= 0")
+    if len(cfg.betas) != 2:
+        problems.append(f"optim.betas={list(cfg.betas)} must have two values, e.g. [0.9, 0.95]")
+    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
+        problems.append(f"optim.min_lr_ratio={cfg.min_lr_ratio} must be in [0, 1] (a fraction of optim.lr)")
+    return problems
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -20,8 +49,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, *, fused: bool = False) -> torch.optim.Optimizer:
-    if cfg.name != "adamw":
-        raise ValueError(f"optim.name={cfg.name!r} is unknown; the available optimizer is 'adamw'")
+    """AdamW over :func:`param_groups`; ``fused`` is the accelerator's default (``optim.fused`` wins)."""
+    problems = optim_problems(cfg)
+    if problems:
+        raise ConfigError("invalid optim config:\n  - " + "\n  - ".join(problems))
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),
         lr=cfg.lr,

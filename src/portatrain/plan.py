@@ -1,32 +1,34 @@
 """``dry_run=true``: build the model on the meta device and report its size and per-device memory.
 
-Nothing is allocated: the model exists only as shapes, and the memory figures come from
-:func:`portatrain.models.memory.estimate_memory` for the configured precision and layout.
+Nothing is allocated: the model exists only as shapes, and the memory figures come from the model
+family's estimate (``spec.estimate_memory``) for the configured precision and layout.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from portatrain.accelerators import ACCELERATORS, resolve_accelerator
-from portatrain.models import build_model, model_args
-from portatrain.models.memory import estimate_memory, format_memory_report
+from portatrain.config import Config
+from portatrain.dtypes import dtype_from_name
+from portatrain.models import ARCH_OVERRIDES, build_model, get_spec, model_args
+from portatrain.models.memory import format_memory_report
 from portatrain.parallel.parallel_dims import ParallelDims, expected_world_size
 
 
-def _training_dtype(cfg: Any) -> torch.dtype:
+def training_dtype(dtype_name: str, device_type: str) -> torch.dtype:
     """The precision a real run would use. An explicitly named device is not probed: a plan for
     Trainium can be made on a laptop."""
-    if cfg.trainer.dtype != "auto":
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.trainer.dtype]
-    if cfg.device.type == "auto":
+    if dtype_name != "auto":
+        return dtype_from_name(dtype_name)
+    if device_type == "auto":
         return resolve_accelerator("auto").default_dtype
-    return ACCELERATORS[cfg.device.type].default_dtype
+    return ACCELERATORS[device_type].default_dtype
 
 
-def describe_plan(cfg: Any) -> str:
+def describe_plan(cfg: Config) -> str:
+    """The dry-run report: parameters, precision, layout, FLOPs per token and the memory table."""
+    spec = get_spec(cfg.model.name)
     args = model_args(cfg.model)
     with torch.device("meta"):
         model = build_model(cfg.model)
@@ -35,30 +37,33 @@ def describe_plan(cfg: Any) -> str:
 
     par = cfg.parallel
     # Planned for the world the layout names (dp_shard=8 tp=8: 64 devices), nothing launched.
-    dims = ParallelDims.from_config(par, world_size=expected_world_size(cfg))
-    dp_shard = dims.dp_shard
-    dtype = _training_dtype(cfg)
+    dims = ParallelDims.from_config(par, world_size=expected_world_size(par, dry_run=True))
+    dtype = training_dtype(cfg.trainer.dtype, cfg.device.type)
     mixed = dtype == torch.bfloat16
     # FSDP2 mixed precision keeps fp32 sharded parameters, gradients and AdamW moments and
     # computes (all-gathers, activations) in bf16.
-    estimate = estimate_memory(
+    estimate = spec.estimate_memory(
         args,
         batch_size=cfg.data.batch_size,
         seq_len=cfg.data.seq_len,
         param_dtype_bytes=4,
         grad_dtype_bytes=4,
         optim_state_bytes_per_param=8,
-        shard_degree=dp_shard,
+        shard_degree=dims.dp_shard,
         tp_degree=par.tp,
         activation_checkpointing=par.activation_checkpointing,
         activation_dtype_bytes=2 if mixed else 4,
     )
-    layout = dims.describe()
+    custom = {k: getattr(cfg.model, k) for k in (*ARCH_OVERRIDES, "vocab_size")}
+    custom = {k: v for k, v in custom.items() if v is not None}
     lines = [
-        f"recipe {cfg.recipe}: {cfg.model.name} {cfg.model.flavor}",
+        f"recipe {cfg.recipe}: {cfg.model.name} {cfg.model.flavor}"
+        + (f" with {', '.join(f'{k}={v}' for k, v in custom.items())}" if custom else ""),
         f"parameters: {n_params:,} ({n_params / 1e9:.2f}B), built on meta, nothing allocated",
+        f"architecture: dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads "
+        f"({args.n_kv_heads} kv, head_dim {args.head_dim}), ffn {args.ffn_dim}, vocab {args.vocab_size}",
         f"precision: {'bf16 compute, fp32 master weights/grads/optimizer' if mixed else 'fp32'}",
-        f"layout: {layout}; "
+        f"layout: {dims.describe()}; "
         f"micro-batch {cfg.data.batch_size} x {cfg.data.seq_len} tokens per device; "
         f"activation checkpointing {par.activation_checkpointing}",
         f"training FLOPs per token: {args.flops_per_token(cfg.data.seq_len) / 1e9:.2f} GFLOP",
@@ -66,3 +71,4 @@ def describe_plan(cfg: Any) -> str:
         format_memory_report(estimate, title="estimated memory per device"),
     ]
     return "\n".join(lines)
+

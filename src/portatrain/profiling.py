@@ -15,14 +15,20 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from portatrain.config import ProfileConfig
+from portatrain.config import ProfileConfig
+from portatrain.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+
+def profile_problems(cfg: ProfileConfig) -> list[str]:
+    """The ``profile`` group's problems (only when profiling is on)."""
+    if cfg.enabled and (cfg.start_step < 1 or cfg.steps < 1):
+        return [f"profile.start_step={cfg.start_step} and profile.steps={cfg.steps} must both be >= 1"]
+    return []
 
 
 class StepProfiler:
@@ -48,12 +54,9 @@ class StepProfiler:
         self._profiler: torch.profiler.profile | None = None
         if not cfg.enabled:
             return
-        if cfg.start_step < 1 or cfg.steps < 1:
-            from portatrain.config import ConfigError
-
-            raise ConfigError(
-                f"profile.start_step={cfg.start_step} and profile.steps={cfg.steps} must both be >= 1"
-            )
+        problems = profile_problems(cfg)
+        if problems:
+            raise ConfigError(problems[0])
         # Steps this fit() runs before the window opens.
         before = cfg.start_step - 1 - first_step
         if before < 0:

@@ -47,12 +47,13 @@ from portatrain.checkpoint import (
     model_args_dict,
     resolve_resume,
 )
-from portatrain.compile import CompileMonitor, warmup_batches
+from portatrain.compile import CompileMonitor, block_compiler, warmup_batches
 from portatrain.config import Config
 from portatrain.data.documents import load_documents
-from portatrain.data.loader import build_dataloader
+from portatrain.data.loader import batch_shapes, build_collator, build_dataloader
 from portatrain.data.tokenizer import build_tokenizer
 from portatrain.distributed import destroy_distributed, dist_info_from_env, init_distributed
+from portatrain.dtypes import dtype_from_name
 from portatrain.metrics import (
     MetricsLogger,
     memory_metrics,
@@ -61,7 +62,7 @@ from portatrain.metrics import (
     resolve_peak_flops,
     throughput_metrics,
 )
-from portatrain.models import build_model
+from portatrain.models import build_model, get_spec
 from portatrain.optim import build_lr_scheduler, build_optimizer
 from portatrain.parallel import (
     ParallelDims,
@@ -74,12 +75,11 @@ from portatrain.profiling import StepProfiler
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 class Trainer:
     def __init__(self, cfg: Config, accelerator: Accelerator | None = None) -> None:
         self.cfg = cfg
+        self.spec = get_spec(cfg.model.name)  # the model family: parallel plan, HF mapping
         self.dist = dist_info_from_env()
         index = cfg.device.index if cfg.device.index is not None else self.dist.local_rank
         self.accelerator = accelerator or resolve_accelerator(cfg.device.type, index)
@@ -89,7 +89,7 @@ class Trainer:
         init_distributed(self.accelerator, self.dist)
         self.device = self.accelerator.device
         self.dtype = (
-            self.accelerator.default_dtype if cfg.trainer.dtype == "auto" else _DTYPES[cfg.trainer.dtype]
+            self.accelerator.default_dtype if cfg.trainer.dtype == "auto" else dtype_from_name(cfg.trainer.dtype)
         )
         self.parallel_dims.build_mesh(self.accelerator.device_type)
         self.dp_rank, self.dp_world_size = self.parallel_dims.dp_rank, self.parallel_dims.dp
@@ -148,7 +148,7 @@ class Trainer:
         if self.resume_from is not None:
             self.load_checkpoint(self.resume_from)
         elif cfg.model.init_from:
-            load_hf_weights(self.model, cfg.model.init_from)
+            load_hf_weights(self.model, cfg.model.init_from, self.spec)
         # Written after the load: a resume that fails leaves the run directory as it was.
         if self.dist.is_main:
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -160,9 +160,14 @@ class Trainer:
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Apply TP -> activation checkpointing -> compile -> FSDP2 to the meta model, per the model
-        family's ``parallelize.py`` and ``cfg.parallel`` (one process: checkpointing/compile only)."""
+        family's plan (``spec.parallelize``) and ``cfg.parallel`` (one process: checkpointing/compile only)."""
         return parallelize_model(
-            model, self.cfg, self.parallel_dims, accelerator=self.accelerator, compute_dtype=self.dtype
+            model,
+            self.spec.parallelize,
+            self.parallel_dims,
+            self.cfg.parallel,
+            compile_block=block_compiler(self.cfg.compile, self.accelerator),
+            compute_dtype=self.dtype,
         )
 
     def compute_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -225,7 +230,10 @@ class Trainer:
         """
         rng, start = self.accelerator.get_rng_state(), time.perf_counter()
         batches = warmup_batches(
-            self.cfg.data, pad_id=self.tokenizer.pad_id, vocab_size=self.tokenizer.vocab_size
+            build_collator(self.cfg.data, pad_id=self.tokenizer.pad_id),  # the loader's collator
+            batch_shapes(self.cfg.data),
+            packed=self.cfg.data.collator == "packing",
+            vocab_size=self.tokenizer.vocab_size,
         )
 
         def train(batch: dict[str, torch.Tensor]) -> None:
@@ -391,6 +399,7 @@ class Trainer:
                 "tokens_seen": self.tokens_seen,
                 "lr_scheduler": self.lr_scheduler.state_dict(),
                 "recipe": self.cfg.recipe,
+                "model_name": self.cfg.model.name,  # the family whose spec reads model_args back
                 "model_args": model_args_dict(self.model),
                 "tokenizer": self.cfg.data.tokenizer,
                 "dp_world_size": self.dp_world_size,

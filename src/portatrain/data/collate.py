@@ -35,13 +35,15 @@ from collections.abc import Sequence
 
 import torch
 
+from portatrain.errors import UserError
+
 IGNORE_INDEX = -100
 """Label of a position that takes no part in the loss (``F.cross_entropy``'s default ``ignore_index``)."""
 
 OVERLONG_POLICIES = ("truncate", "split", "error")
 
 
-class OverlongError(ValueError):
+class OverlongError(UserError, ValueError):
     """A document does not fit the largest row and ``data.overlong=error``."""
 
 

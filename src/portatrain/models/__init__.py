@@ -1,65 +1,103 @@
-"""Model registry: the flavour tables the config validator checks, and :func:`build_model`.
+"""The model-family registry: one :class:`~portatrain.models.spec.ModelSpec` per family.
 
-Importing this costs ``import torch`` and nothing more; the Hugging Face adapter
-(``portatrain.models.llama.hf``) and the memory estimator (``portatrain.models.memory``) are
-imported only by the code that uses them.
+Generic code reaches a family only through :func:`get_spec` (``cfg.model.name`` -> spec). Adding a
+family is one folder under ``portatrain/models/`` that builds its spec, one entry in :data:`SPECS`
+below and its ``conf/model/`` files. :func:`model_args` and :func:`build_model` turn a
+``ModelConfig`` (flavour + custom sizes) into arguments and a model; :func:`model_problems` is the
+model stage's part of config validation.
+
+Importing this costs ``import torch`` and the families' model files; each family's parallel plan is
+imported when first applied.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
-
 from torch import nn
 
-from portatrain.models.llama.model import LLAMA3_FLAVORS, Llama, LlamaArgs
+from portatrain.config import ModelConfig
+from portatrain.errors import ConfigError
+from portatrain.models.llama import LLAMA3
+from portatrain.models.qwen3 import QWEN3
+from portatrain.models.spec import ModelSpec
 
-if TYPE_CHECKING:
-    from portatrain.config import ModelConfig
+SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA3, QWEN3)}
+"""Model family name (``model.name``) -> its spec. One entry per family."""
 
-FLAVORS: dict[str, dict[str, LlamaArgs]] = {"llama3": LLAMA3_FLAVORS}
-"""Architecture family -> flavour name -> arguments."""
+ARCH_OVERRIDES: tuple[str, ...] = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "head_dim",
+    "rope_theta",
+    "norm_eps",
+    "tie_embeddings",
+    "max_seq_len",
+)
+"""``ModelConfig`` fields that change the architecture on top of the flavour (None keeps it).
+``vocab_size`` is handled apart: it combines with the tokenizer's (see :func:`model_args`)."""
 
-_MODEL_CLASSES: dict[str, type[nn.Module]] = {"llama3": Llama}
+
+def get_spec(name: str) -> ModelSpec:
+    """The spec of family ``name``; an unknown name is a :class:`ConfigError` listing the families."""
+    spec = SPECS.get(name)
+    if spec is None:
+        raise ConfigError(f"model.name={name!r} is unknown; choose one of {', '.join(SPECS)}")
+    return spec
 
 
-def model_args(model_cfg: ModelConfig | Any, *, vocab_size: int | None = None) -> LlamaArgs:
-    """The flavour's arguments with the config's and the tokenizer's overrides applied.
+def model_args(model_cfg: ModelConfig, *, vocab_size: int | None = None):
+    """The flavour's arguments with the config's custom sizes and the tokenizer's vocabulary applied.
 
     ``vocab_size`` is the tokenizer's vocabulary size. It replaces the flavour's, so a debug model
     with a 258-token byte tokenizer gets a 258-row embedding. ``model_cfg.vocab_size``, when set,
     wins over both (e.g. to pad the table to a multiple of 64) but may not be smaller than the
-    tokenizer's, or some token ids would index past the table.
+    tokenizer's, or some token ids would index past the table. Raises :class:`ConfigError` listing
+    every problem (unknown family or flavour, unsupported key, inconsistent sizes).
     """
-    family = FLAVORS.get(model_cfg.name)
-    if family is None:
-        raise ValueError(f"model.name={model_cfg.name!r} is unknown; choose one of {', '.join(FLAVORS)}")
-    if model_cfg.flavor not in family:
-        raise ValueError(
-            f"model.flavor={model_cfg.flavor!r} is unknown for {model_cfg.name}; "
-            f"choose one of {', '.join(family)}"
-        )
-    args = family[model_cfg.flavor]
-    final_vocab = args.vocab_size if vocab_size is None else vocab_size
-    if model_cfg.vocab_size is not None:
-        if vocab_size is not None and model_cfg.vocab_size < vocab_size:
-            raise ValueError(
-                f"model.vocab_size={model_cfg.vocab_size} < tokenizer vocabulary {vocab_size}; "
-                f"set model.vocab_size>={vocab_size} or leave it unset to use the tokenizer's"
-            )
-        final_vocab = model_cfg.vocab_size
-    max_seq_len = args.max_seq_len if model_cfg.max_seq_len is None else model_cfg.max_seq_len
-    return replace(args, vocab_size=final_vocab, max_seq_len=max_seq_len)
+    args, problems = _resolve(model_cfg, vocab_size)
+    if problems:
+        raise ConfigError("invalid model config:\n  - " + "\n  - ".join(problems))
+    return args
 
 
-def build_model(model_cfg: ModelConfig | Any, *, vocab_size: int | None = None) -> nn.Module:
+def model_problems(model_cfg: ModelConfig) -> list[str]:
+    """Every problem of the ``model`` config group (the validator's model-stage check)."""
+    return _resolve(model_cfg, None)[1]
+
+
+def _resolve(model_cfg: ModelConfig, vocab_size: int | None):
+    spec = SPECS.get(model_cfg.name)
+    if spec is None:
+        return None, [f"model.name={model_cfg.name!r} is unknown; choose one of {', '.join(SPECS)}"]
+    if model_cfg.vocab_size is not None and vocab_size is not None and model_cfg.vocab_size < vocab_size:
+        return None, [
+            f"model.vocab_size={model_cfg.vocab_size} < tokenizer vocabulary {vocab_size}; "
+            f"set model.vocab_size>={vocab_size} or leave it unset to use the tokenizer's"
+        ]
+    overrides = {key: getattr(model_cfg, key, None) for key in ARCH_OVERRIDES}
+    overrides["vocab_size"] = model_cfg.vocab_size if model_cfg.vocab_size is not None else vocab_size
+    try:
+        args = spec.args(model_cfg.flavor, **overrides)
+    except KeyError as exc:
+        return None, [str(exc.args[0])]
+    except (ValueError, TypeError) as exc:  # an unsupported key, or a family that validates on construction
+        return None, [str(exc)]
+    where = f"{model_cfg.name}/{model_cfg.flavor}"
+    if any(v is not None for v in overrides.values()):
+        where += " with the model.* overrides"
+    return args, [f"model {where}: {problem}" for problem in args.problems()]
+
+
+def build_model(model_cfg: ModelConfig, *, vocab_size: int | None = None) -> nn.Module:
     """Construct the model on the current default device, without initializing it.
 
     Call under ``with torch.device("meta"):`` for anything large, parallelize, then ``to_empty()``
     and ``init_weights(model_cfg.init_std)`` (or load weights). See :func:`model_args` for how
     ``vocab_size`` and the config overrides combine.
     """
-    return _MODEL_CLASSES[model_cfg.name](model_args(model_cfg, vocab_size=vocab_size))
+    return get_spec(model_cfg.name).model_cls(model_args(model_cfg, vocab_size=vocab_size))
 
 
-__all__ = ["FLAVORS", "build_model", "model_args"]
+__all__ = ["ARCH_OVERRIDES", "SPECS", "build_model", "get_spec", "model_args", "model_problems"]

@@ -1,4 +1,10 @@
-"""Per-device training memory estimate for a Llama model, for the dry run and for planning.
+"""Per-device training memory estimate for a dense decoder-only transformer, for the dry run and planning.
+
+Generic over the model family: :func:`estimate_memory` reads only the architecture attributes every
+portatrain family's arguments carry (``dim``, ``n_layers``, ``n_heads``, ``n_kv_heads``,
+``head_dim``, ``ffn_dim``, ``vocab_size``, ``block_params``, ``num_params()``; see
+:class:`TransformerShape`). A family whose blocks save other tensors (e.g. Qwen 3's q/k norms)
+wraps it in its own estimate and registers that in its ``ModelSpec.estimate_memory``.
 
 :func:`estimate_memory` counts, in bytes per device:
 
@@ -14,22 +20,23 @@ batch or a packed attention mask (``B * S * S`` bytes), nor the gradient of the 
 backward; leave 10-20% headroom.
 
 Activations saved for backward, per token and layer, in elements of the activation dtype
-(``h`` = dim, ``f`` = SwiGLU width, ``a`` = query heads), counted from this repo's ``model.py``:
+(``h`` = dim, ``q`` = ``n_heads * head_dim`` (= ``h`` for Llama), ``f`` = SwiGLU width, ``a`` = query
+heads), counted from this repo's Llama ``model.py``:
 
 =========================================  =========  ===========================================
 saved tensor                               elements   saved by
 =========================================  =========  ===========================================
 block input                                h          input RMSNorm
 normalized input                           h          q/k/v projections (one tensor for all three)
-q after RoPE                               h          SDPA
-k, v after the GQA repeat                  2h         SDPA (heads are repeated before the call)
-attention output                           h          SDPA and ``o_proj`` (a view of the same data)
+q after RoPE                               q          SDPA
+k, v after the GQA repeat                  2q         SDPA (heads are repeated before the call)
+attention output                           q          SDPA and ``o_proj`` (a view of the same data)
 attention residual sum                     h          post-attention RMSNorm
 normalized MLP input                       h          gate/up projections
 gate, up, silu(gate), silu(gate) * up      4f         SiLU, product, ``down_proj``
 =========================================  =========  ===========================================
 
-That is ``8h + 4f`` elements plus two fp32 RMSNorm statistics and ``a`` fp32 softmax
+That is ``4h + 4q + 4f`` elements (``8h + 4f`` for Llama) plus two fp32 RMSNorm statistics and ``a`` fp32 softmax
 log-sum-exps per token (a fused attention kernel is assumed: no ``S x S`` score matrix is kept).
 Compare Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
 ``s*b*h*(34 + 5*a*s/h)`` bytes per layer for GPT in fp16 with dropout: that count's MLP has
@@ -44,7 +51,7 @@ kernels avoid.
 * ``selective`` -- torchtitan's op-level policy: keep the attention output (and log-sum-exp) and
   every second matmul output, recompute norms, pointwise ops and the other matmuls. Estimated as
   block input + attention output + half of the matmul outputs (``q, k, v, o, gate, up, down`` =
-  ``3h + 2*kv + 2f`` with ``kv = n_kv_heads * head_dim``), plus one block's recomputation peak.
+  ``q + 2h + 2*kv + 2f`` with ``kv = n_kv_heads * head_dim``), plus one block's recomputation peak.
 
 After the last block: final-norm input and output (``2h``), the logits (``V``) in the activation
 dtype and fp32 log-probabilities for the loss (``V``, 4 bytes).
@@ -55,14 +62,36 @@ Tensor parallelism is assumed to come with sequence parallelism and a vocabulary
 
 from __future__ import annotations
 
-from portatrain.models.llama.model import LlamaArgs
+from typing import Protocol
 
-_CHECKPOINTING = ("none", "full", "selective")
+from portatrain.parallel.activation_checkpoint import AC_MODES as _CHECKPOINTING
+
 _GIB = 1024**3
 
 
+class TransformerShape(Protocol):
+    """The architecture attributes the estimate reads (a family's frozen arguments dataclass)."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def ffn_dim(self) -> int: ...
+
+    @property
+    def block_params(self) -> int: ...
+
+    def num_params(self) -> int: ...
+
+
 def estimate_memory(
-    args: LlamaArgs,
+    args: TransformerShape,
     *,
     batch_size: int,
     seq_len: int,
@@ -134,14 +163,15 @@ def estimate_memory(
         fsdp_buffers = _ceil_div(unit * (2 * act_bytes + grad_dtype_bytes), tp_degree)
 
     h, f, a = args.dim, args.ffn_dim, args.n_heads
+    q = args.n_heads * args.head_dim
     kv = args.n_kv_heads * args.head_dim
-    per_token_layer = (8 * h + 4 * f) * act_bytes + (a + 2) * 4  # the table + fp32 lse and norm stats
+    per_token_layer = (4 * h + 4 * q + 4 * f) * act_bytes + (a + 2) * 4  # the table + fp32 lse and norm stats
     if activation_checkpointing == "none":
         per_token_blocks = args.n_layers * per_token_layer
     elif activation_checkpointing == "full":
         per_token_blocks = args.n_layers * h * act_bytes + per_token_layer
     else:  # selective
-        kept = (h + h + (3 * h + 2 * kv + 2 * f) // 2) * act_bytes + a * 4
+        kept = (h + q + (q + 2 * h + 2 * kv + 2 * f) // 2) * act_bytes + a * 4
         per_token_blocks = args.n_layers * kept + per_token_layer
     per_token_head = (2 * h + args.vocab_size) * act_bytes + args.vocab_size * 4
     tokens = batch_size * seq_len

@@ -20,12 +20,16 @@ Contracts a family's model and arguments keep (Llama and Qwen 3 both do):
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from portatrain.parallel.parallel_dims import ParallelDims
 
 
 class CompileBlock(Protocol):
@@ -43,7 +47,7 @@ class Parallelize(Protocol):
     def __call__(
         self,
         model: nn.Module,
-        parallel_dims: Any,
+        parallel_dims: ParallelDims,
         *,
         activation_checkpointing: str,
         compile_block: CompileBlock | None,
@@ -89,11 +93,46 @@ class ModelSpec:
     keys ``params``, ``grads``, ``optimizer``, ``fsdp_buffers``, ``activations``, ``total``."""
     config_overrides: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """``model.<key>`` config overrides this family accepts -> the arguments field each sets
-    (e.g. ``{"ffn_dim": "ffn_hidden_dim"}``), for custom sizes from the command line."""
+    (e.g. ``{"ffn_dim": "ffn_hidden_dim"}``), for custom sizes from the command line. A key not
+    listed here that names a field of :attr:`args_cls` sets that field; any other key set in the
+    config (e.g. ``model.head_dim`` for Llama, which derives it) is an error naming the choices."""
 
     def args(self, flavor: str, **overrides: Any) -> Any:
-        """The flavour's arguments with ``overrides`` (config keys, None = keep) applied."""
+        """The flavour's arguments with ``overrides`` (config keys, None = keep) applied.
+
+        Raises ``KeyError`` for an unknown flavour and ``ValueError`` for a key this family does not
+        support. The result is not validated: call its ``problems()``.
+        """
         if flavor not in self.flavors:
             raise KeyError(f"model.flavor={flavor!r} is unknown for {self.name}; choose one of {', '.join(self.flavors)}")
-        changes = {self.config_overrides.get(k, k): v for k, v in overrides.items() if v is not None}
+        fields = {f.name for f in dataclasses.fields(self.args_cls)}
+        given = {k: v for k, v in overrides.items() if v is not None}
+        unsupported = sorted(k for k in given if k not in self.config_overrides and k not in fields)
+        if unsupported:
+            raise ValueError(
+                f"{', '.join(f'model.{k}={given[k]}' for k in unsupported)}: not an option of the {self.name} "
+                f"family; unset it, or use one of {', '.join(f'model.{k}' for k in self._config_keys())}"
+            )
+        changes = {self.config_overrides.get(k, k): v for k, v in given.items()}
         return dataclasses.replace(self.flavors[flavor], **changes)
+
+    def args_from_dict(self, values: Mapping[str, Any]) -> Any:
+        """Rebuild the arguments from ``dataclasses.asdict(args)`` (as checkpoints record them).
+
+        Nested dataclass fields (Llama's ``rope_scaling``) are rebuilt from their type hints.
+        """
+        hints = typing.get_type_hints(self.args_cls)
+        kwargs = {}
+        for field in dataclasses.fields(self.args_cls):
+            if field.name not in values:
+                continue
+            value = values[field.name]
+            if isinstance(value, Mapping):
+                nested = [t for t in typing.get_args(hints[field.name]) or (hints[field.name],) if dataclasses.is_dataclass(t)]
+                if nested:
+                    value = nested[0](**value)
+            kwargs[field.name] = value
+        return self.args_cls(**kwargs)
+
+    def _config_keys(self) -> list[str]:
+        return sorted(self.config_overrides) or sorted(f.name for f in dataclasses.fields(self.args_cls))

@@ -1,24 +1,27 @@
 """Parallelism: the layout (:class:`ParallelDims`), its ``DeviceMesh``, and the glue that applies a
-model family's ``parallelize.py`` from the config.
+model family's parallel plan (its ``ModelSpec.parallelize``) with the config's settings.
 
 Stage order (see STYLE.md): parallel dims + mesh -> model on meta -> :func:`parallelize_model`
 (TP -> activation checkpointing -> compile -> FSDP2) -> ``to_empty`` -> init under
 :func:`full_tensor_init`.
+
+This package sits below the models: a family's ``parallelize.py`` imports its helpers, and it
+imports no model family; the caller hands it the family's plan.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from portatrain.config import ParallelConfig
+from portatrain.dtypes import dtype_from_name
 from portatrain.parallel.parallel_dims import ParallelDims, expected_world_size
 from portatrain.parallel.utils import clip_grad_norm_, dp_all_reduce, full_tensor_init
 
 __all__ = [
-    "PARALLELIZERS",
     "ParallelDims",
     "clip_grad_norm_",
     "dp_all_reduce",
@@ -27,35 +30,29 @@ __all__ = [
     "parallelize_model",
 ]
 
-PARALLELIZERS: dict[str, str] = {"llama3": "portatrain.models.llama.parallelize:parallelize_llama"}
-"""Model family -> ``module:function`` applying its parallel plan (imported when used)."""
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 def parallelize_model(
     model: nn.Module,
-    cfg: Any,
+    parallelize: Callable[..., nn.Module],
     parallel_dims: ParallelDims,
+    parallel_cfg: ParallelConfig,
     *,
-    accelerator: Any,
+    compile_block: Callable[[nn.Module], nn.Module] | None,
     compute_dtype: torch.dtype,
 ) -> nn.Module:
-    """Apply the model family's plan with the settings of ``cfg.parallel`` and ``cfg.compile``.
+    """Apply a family's plan (``spec.parallelize``) with the settings of ``parallel_cfg``.
 
     FSDP2's parameter dtype defaults to the run's compute dtype (``trainer.dtype``: bf16 on
     accelerators, fp32 on CPU); ``parallel.param_dtype`` overrides it. Gradients are reduced in
-    ``parallel.reduce_dtype`` (fp32 by default).
+    ``parallel.reduce_dtype`` (fp32 by default). ``compile_block`` compiles one block in place
+    (``portatrain.compile.block_compiler``), or is None when compilation is off.
     """
-    module_name, fn_name = PARALLELIZERS[cfg.model.name].split(":")
-    parallelize = getattr(importlib.import_module(module_name), fn_name)
-    par = cfg.parallel
+    par = parallel_cfg
     return parallelize(
         model,
         parallel_dims,
         activation_checkpointing=par.activation_checkpointing,
-        compile_cfg=cfg.compile,
-        accelerator=accelerator,
-        param_dtype=_DTYPES[par.param_dtype] if par.param_dtype else compute_dtype,
-        reduce_dtype=_DTYPES[par.reduce_dtype],
+        compile_block=compile_block,
+        param_dtype=dtype_from_name(par.param_dtype) if par.param_dtype else compute_dtype,
+        reduce_dtype=dtype_from_name(par.reduce_dtype),
     )

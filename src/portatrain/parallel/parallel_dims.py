@@ -4,13 +4,15 @@ What this file does:
 
 * :class:`ParallelDims` -- the degrees ``dp_replicate x dp_shard x tp`` resolved against a world size
   (``dp_shard=-1`` takes whatever the other degrees leave), checked before anything is built: every
-  problem is reported at once, with the numbers and the fix, as a :class:`~portatrain.config.ConfigError`.
+  problem is reported at once, with the numbers and the fix, as a :class:`~portatrain.errors.ConfigError`.
 * :meth:`ParallelDims.build_mesh` -- one 3-D mesh ``("dp_replicate", "dp_shard", "tp")`` on the
   accelerator's device type, plus the flattened ``"dp"`` dimension (``dp_replicate * dp_shard``
   ranks that see different data) used by the data loader and the loss/metric all-reduces.
 * :func:`expected_world_size` -- how many processes a config will run with, for validation before
   launch (under torchrun: ``WORLD_SIZE``; otherwise the job shape in ``parallel.launch``; for a dry run
   with an explicit ``dp_shard``: the product of the degrees, so a 64-device plan needs no 64 processes).
+* :func:`parallel_problems` -- the parallel stage's part of config validation (``portatrain.validate``):
+  dtypes, scheduler, layout against the world size, the model's heads and the rows' lengths.
 
 Rank order is row-major over ``(dp_replicate, dp_shard, tp)``: tp is the fastest-varying dimension,
 so a tp group is ``tp`` consecutive ranks -- on one host when ``tp <= procs_per_node``, where
@@ -22,10 +24,13 @@ Importing this module is cheap: ``torch.distributed`` is imported only by :meth:
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
-from portatrain.config import ConfigError
+from portatrain.config import ParallelConfig
+from portatrain.dtypes import dtype_problem
+from portatrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -58,7 +63,7 @@ class ParallelDims:
             self.dp_shard = self.world_size // (self.dp_replicate * self.tp)
 
     @classmethod
-    def from_config(cls, parallel_cfg: Any, world_size: int) -> ParallelDims:
+    def from_config(cls, parallel_cfg: ParallelConfig, world_size: int) -> ParallelDims:
         """From ``cfg.parallel`` (``dp_replicate``, ``dp_shard``, ``tp``) and the actual world size."""
         return cls(
             dp_replicate=int(parallel_cfg.dp_replicate),
@@ -185,28 +190,31 @@ def layout_problems(dp_replicate: int, dp_shard: int, tp: int, world_size: int) 
     return problems
 
 
-def model_problems(tp: int, n_heads: int, n_kv_heads: int, tie_embeddings: bool, flavor: str) -> list[str]:
-    """Reasons the model cannot be split ``tp`` ways: heads must divide evenly, and a tied output
-    projection (the embedding matrix used twice) is not tensor-parallel here."""
+def model_problems(tp: int, n_heads: int, n_kv_heads: int, tie_embeddings: bool, where: str) -> list[str]:
+    """Reasons the model cannot be split ``tp`` ways: each rank must hold whole query and kv heads,
+    and a tied output projection (the embedding matrix used twice) is not tensor-parallel here.
+
+    ``where`` names the model in the message (e.g. ``flavour '8b'``).
+    """
     if tp <= 1:
         return []
     problems = []
     if n_heads % tp or n_kv_heads % tp:
         divisors = [d for d in range(1, n_kv_heads + 1) if n_heads % d == 0 and n_kv_heads % d == 0]
         problems.append(
-            f"parallel.tp={tp} must divide n_heads({n_heads}) and n_kv_heads({n_kv_heads}) of flavour "
-            f"{flavor!r} (each rank holds whole heads); choose parallel.tp in {divisors}"
+            f"parallel.tp={tp} must divide n_heads({n_heads}) and n_kv_heads({n_kv_heads}) of {where} "
+            f"(each rank holds whole heads); choose parallel.tp in {divisors}"
         )
-    if tie_embeddings:
+    if tie_embeddings:  # TODO(issue 9 item 6): drop once the parallelizers split tied embeddings
         problems.append(
-            f"flavour {flavor!r} ties its output projection to the embedding, which tensor parallel does "
+            f"{where} ties its output projection to the embedding, which tensor parallel does "
             "not split here; set parallel.tp=1 (FSDP still shards the matrix over dp_shard)"
         )
     return problems
 
 
-def expected_world_size(cfg: Any) -> int:
-    """How many processes ``cfg`` will run with, known before any process group exists.
+def expected_world_size(parallel_cfg: ParallelConfig, *, dry_run: bool = False) -> int:
+    """How many processes a run with ``parallel_cfg`` will have, known before any process group exists.
 
     Under torchrun it is ``WORLD_SIZE``. Otherwise it is the job shape
     ``parallel.launch.nodes * parallel.launch.procs_per_node`` (1 x 1 by default: a plain ``portatrain``
@@ -214,11 +222,11 @@ def expected_world_size(cfg: Any) -> int:
     world is the product of the degrees (``dp_shard=8 tp=8`` is a 64-device plan); with
     ``dp_shard=-1`` it is the job shape, or ``dp_replicate * tp`` devices if the job shape is smaller.
     """
-    par = cfg.parallel
+    par = parallel_cfg
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
     launched = par.launch.nodes * par.launch.procs_per_node
-    if cfg.get("dry_run", False):
+    if dry_run:
         if par.dp_shard > 0:
             return par.dp_replicate * par.dp_shard * par.tp
         return max(launched, par.dp_replicate * par.tp)
@@ -226,18 +234,37 @@ def expected_world_size(cfg: Any) -> int:
 
 
 SCHEDULERS = ("slurm", "jobset", "pytorchjob")
-_DTYPE_NAMES = ("float32", "bfloat16")
 
 
-def parallel_problems(cfg: Any) -> list[str]:
-    """Every problem of ``cfg.parallel`` for the world size it will run at (called by ``validate``)."""
-    par = cfg.parallel
+class ModelShape(Protocol):
+    """What the layout check reads of a model family's arguments."""
+
+    n_heads: int
+    n_kv_heads: int
+    tie_embeddings: bool
+
+
+def parallel_problems(
+    parallel_cfg: ParallelConfig,
+    *,
+    world_size: int,
+    model_args: ModelShape | None = None,
+    row_lengths: Sequence[int] = (),
+    row_key: str = "data.seq_len",
+    model_name: str = "the model",
+) -> list[str]:
+    """Every problem of the ``parallel`` group for ``world_size`` ranks (called by ``portatrain.validate``).
+
+    ``model_args`` is the model's arguments (None when the model is itself invalid),
+    ``row_lengths`` every row length the loader emits (from ``row_key``): with tensor parallel both
+    must split evenly over the tp ranks.
+    """
+    par = parallel_cfg
     launch = par.launch
     problems = []
-    if par.param_dtype is not None and par.param_dtype not in _DTYPE_NAMES:
-        problems.append(f"parallel.param_dtype={par.param_dtype!r} is not one of {', '.join(_DTYPE_NAMES)}")
-    if par.reduce_dtype not in _DTYPE_NAMES:
-        problems.append(f"parallel.reduce_dtype={par.reduce_dtype!r} is not one of {', '.join(_DTYPE_NAMES)}")
+    if par.param_dtype is not None:
+        problems += dtype_problem("parallel.param_dtype", par.param_dtype)
+    problems += dtype_problem("parallel.reduce_dtype", par.reduce_dtype)
     if launch.scheduler not in SCHEDULERS:
         problems.append(
             f"parallel.launch.scheduler={launch.scheduler!r} is not one of {', '.join(SCHEDULERS)}"
@@ -247,22 +274,15 @@ def parallel_problems(cfg: Any) -> list[str]:
             problems.append(f"parallel.launch.{name}={getattr(launch, name)} must be >= 1")
     if problems:
         return problems
-    problems += layout_problems(par.dp_replicate, par.dp_shard, par.tp, expected_world_size(cfg))
+    problems += layout_problems(par.dp_replicate, par.dp_shard, par.tp, world_size)
     if par.tp > 1:
-        from portatrain.models import FLAVORS
-
-        args = FLAVORS.get(cfg.model.name, {}).get(cfg.model.flavor)
-        if args is not None:  # an unknown model is reported by validate() itself
-            problems += model_problems(
-                par.tp, args.n_heads, args.n_kv_heads, args.tie_embeddings, cfg.model.flavor
-            )
-        data = cfg.data
-        lengths = list(data.buckets) if data.collator == "bucket" else [data.seq_len]
-        uneven = [n for n in lengths if n % par.tp]
+        if model_args is not None:
+            a = model_args
+            problems += model_problems(par.tp, a.n_heads, a.n_kv_heads, a.tie_embeddings, model_name)
+        uneven = [n for n in row_lengths if n % par.tp]
         if uneven:
-            key = "data.buckets" if data.collator == "bucket" else "data.seq_len"
             problems.append(
-                f"{key} has row length(s) {uneven} not divisible by parallel.tp={par.tp}; sequence "
+                f"{row_key} has row length(s) {uneven} not divisible by parallel.tp={par.tp}; sequence "
                 f"parallel splits each row over the tp ranks: use multiples of {par.tp}"
             )
     return problems

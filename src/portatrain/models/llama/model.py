@@ -60,6 +60,8 @@ class LlamaArgs:
     """Architecture of one Llama 3 model. Field names follow Meta's ``params.json``.
 
     Frozen because the flavour table shares instances: derive variants with ``dataclasses.replace``.
+    Construction does not validate (a config validator wants every problem, not the first); see
+    :meth:`problems`, which :class:`Llama` checks before building anything.
     """
 
     dim: int = 4096
@@ -92,25 +94,41 @@ class LlamaArgs:
     tie_embeddings: bool = False
     """Share the embedding matrix with the output projection (Llama 3.2 1B/3B do)."""
 
-    def __post_init__(self) -> None:
-        # Collect every problem and raise once, so a bad flavour is fixed in one edit.
+    def problems(self) -> list[str]:
+        """Every inconsistency of these arguments, each with the values and the fix (empty: valid).
+
+        Collected rather than raised one at a time, so a bad flavour or a custom size given on the
+        command line (``model.dim=... model.n_heads=...``) is fixed in one edit.
+        """
         problems = [
             f"{name}={getattr(self, name)} must be positive"
             for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len")
             if getattr(self, name) <= 0
         ]
-        if not problems:  # the divisibility checks below would divide by zero
-            if self.dim % self.n_heads:
-                problems.append(f"dim({self.dim}) must be divisible by n_heads({self.n_heads})")
-            elif (self.dim // self.n_heads) % 2:
-                problems.append(f"head_dim = dim/n_heads = {self.dim // self.n_heads} must be even for RoPE")
-            if self.n_heads % self.n_kv_heads:
-                problems.append(
-                    f"n_heads({self.n_heads}) must be a multiple of n_kv_heads({self.n_kv_heads}) for "
-                    "grouped-query attention"
-                )
-        if problems:
-            raise ValueError("invalid LlamaArgs:\n  - " + "\n  - ".join(problems))
+        if self.ffn_hidden_dim is not None and self.ffn_hidden_dim <= 0:
+            problems.append(f"ffn_dim={self.ffn_hidden_dim} must be positive")
+        if self.norm_eps <= 0 or self.rope_theta <= 0:
+            problems.append(f"norm_eps={self.norm_eps} and rope_theta={self.rope_theta} must be positive")
+        if problems:  # the divisibility checks below would divide by zero
+            return problems
+        if self.dim % self.n_heads:
+            fits = [n for n in range(1, self.dim + 1) if self.dim % n == 0 and n <= 2 * self.n_heads][-3:]
+            problems.append(
+                f"dim({self.dim}) must be divisible by n_heads({self.n_heads}) (head_dim = dim / n_heads); "
+                f"change dim or use n_heads in {fits}"
+            )
+        elif (self.dim // self.n_heads) % 2:
+            problems.append(
+                f"head_dim = dim/n_heads = {self.dim}/{self.n_heads} = {self.dim // self.n_heads} must be "
+                "even for RoPE (it rotates pairs of channels)"
+            )
+        if self.n_heads % self.n_kv_heads:
+            fits = [n for n in range(1, self.n_heads + 1) if self.n_heads % n == 0]
+            problems.append(
+                f"n_heads({self.n_heads}) must be a multiple of n_kv_heads({self.n_kv_heads}) for "
+                f"grouped-query attention; choose n_kv_heads in {fits}"
+            )
+        return problems
 
     @property
     def head_dim(self) -> int:
@@ -430,6 +448,9 @@ class Llama(nn.Module):
 
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
+        problems = args.problems()
+        if problems:
+            raise ValueError("invalid LlamaArgs:\n  - " + "\n  - ".join(problems))
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})

@@ -1,0 +1,67 @@
+"""Checkpoints that survive everything: sharded, atomic, resumable, reshardable.
+
+One module per concern:
+
+- ``checkpointer.py`` -- :class:`Checkpointer` saves a training state with
+  ``torch.distributed.checkpoint`` (DCP) every ``checkpoint.every`` steps and at the end, keeps the
+  last K, and loads one back -- into the same or a different number of ranks (FSDP2 DTensors are
+  resharded by DCP's planner); :func:`complete_checkpoints`, :func:`read_trainer_state` and
+  :func:`inspect_checkpoint` find and check checkpoints without reading their tensors;
+- ``resume.py`` -- the resume policy: :func:`resolve_resume` turns ``checkpoint.resume``
+  (``none``/``auto``/a path) into a directory and refuses to start a new run over another run's
+  checkpoints; :func:`load_dataloader_state` continues the data order;
+- ``preemption.py`` -- :class:`PreemptionWatcher` turns SIGTERM into "save at the next step
+  boundary, then stop";
+- ``hf.py`` -- :func:`load_hf_weights` initializes a model from a local Hugging Face safetensors
+  directory through its family's ``ModelSpec``, each rank reading only the slices it holds;
+- ``common.py`` -- :class:`CheckpointError` (a ``UserError``: the one error a user sees for a
+  missing, truncated or mismatched checkpoint; the CLI prints it without a traceback), file names
+  and rank helpers.
+
+Layout of ``<run_dir>/checkpoints/step_<N>/``::
+
+    .metadata                DCP's index of every tensor chunk (written last, by rank 0)
+    __<rank>_0.distcp        tensors: model, optimizer state, each rank's RNG state
+    trainer_state.json       step, tokens seen, LR scheduler, optimizer hyper-parameters,
+                             model family and architecture, recipe, world size (rank 0)
+    dataloader_rank<R>.json  each rank's StatefulDataLoader state
+    config.yaml              the resolved config of the run that saved it
+
+Only tensors go through DCP, everything else is JSON: DCP stores non-tensor values with
+``torch.save`` and reads them back with ``torch.load(weights_only=False)``, which would execute
+whatever a checkpoint file contains. DCP's own ``.metadata`` index is still a pickle, so load only
+checkpoints you trust.
+
+Atomicity: a save writes ``step_<N>.tmp`` and rank 0 renames it to ``step_<N>`` after every rank
+has finished (DCP writes ``.metadata`` only then). A process killed mid-save leaves a ``.tmp``
+directory that :func:`complete_checkpoints` ignores and the next save deletes, so the previous
+checkpoint stays the newest complete one. A complete checkpoint is never overwritten.
+"""
+
+from __future__ import annotations
+
+from portatrain.checkpoint.checkpointer import (
+    Checkpointer,
+    complete_checkpoints,
+    inspect_checkpoint,
+    model_args_dict,
+    read_trainer_state,
+)
+from portatrain.checkpoint.common import FORMAT, CheckpointError
+from portatrain.checkpoint.hf import load_hf_weights
+from portatrain.checkpoint.preemption import PreemptionWatcher
+from portatrain.checkpoint.resume import load_dataloader_state, resolve_resume
+
+__all__ = [
+    "FORMAT",
+    "CheckpointError",
+    "Checkpointer",
+    "PreemptionWatcher",
+    "complete_checkpoints",
+    "inspect_checkpoint",
+    "load_dataloader_state",
+    "load_hf_weights",
+    "model_args_dict",
+    "read_trainer_state",
+    "resolve_resume",
+]

@@ -1,0 +1,122 @@
+"""Hugging Face interop for checkpoints: ``model.init_from=DIR`` initializes a model from a local
+Hugging Face safetensors directory, each rank reading only the slices it holds.
+
+Family-agnostic: the key renaming and the config translation come from the family's
+:class:`~portatrain.models.spec.HFMapping` (``spec.hf``). The reverse direction (a checkpoint -> a
+Hugging Face directory) is ``portatrain export`` (``portatrain.export``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from portatrain.checkpoint.common import CheckpointError, some
+
+if TYPE_CHECKING:
+    from portatrain.models.spec import ModelSpec
+
+# config.json fields that may differ between the file and the model: the RoPE table length is a
+# training choice, the dtype a storage one, and tying is checked on its own below.
+_FREE_CONFIG_KEYS = ("max_position_embeddings", "torch_dtype", "tie_word_embeddings")
+
+
+def load_hf_weights(model: nn.Module, hf_dir: str | Path, spec: ModelSpec) -> None:
+    """Initialize ``model`` (of family ``spec``, possibly FSDP2-sharded) from a local HF directory.
+
+    Reads ``config.json`` to check the architecture, then the ``*.safetensors`` files through
+    DCP's ``HuggingFaceStorageReader``: each rank reads only the slices of the tensors it holds
+    (safetensors slicing on memory-mapped files), so no rank ever materializes the full model.
+    Weights are cast to the model's dtype. A tied HF checkpoint (no ``lm_head.weight``) loaded
+    into an untied model initializes the output projection from the embedding.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    hf_dir = Path(hf_dir)
+    config_file = hf_dir / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(
+            f"model.init_from={hf_dir}: {config_file} is missing; point it at a Hugging Face model "
+            "directory (config.json + *.safetensors), e.g. one written by `portatrain export` or "
+            "save_pretrained()"
+        )
+    if not any(hf_dir.glob("*.safetensors")):
+        raise CheckpointError(
+            f"model.init_from={hf_dir}: no *.safetensors file there (only safetensors weights are "
+            "read; convert .bin files with save_pretrained(safe_serialization=True))"
+        )
+    config = json.loads(config_file.read_text())
+    architecture = (config.get("architectures") or [spec.hf.architecture])[0]
+    if architecture != spec.hf.architecture:
+        raise CheckpointError(
+            f"model.init_from: {config_file} is a {architecture}, but this run's model.name={spec.name} "
+            f"reads {spec.hf.architecture}; choose the model config of that family (model=...)"
+        )
+    try:
+        theirs = spec.hf.args_from_config(config)
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(
+            f"model.init_from: {config_file} is not a usable {spec.hf.architecture} config: {exc}"
+        ) from None
+    ours = getattr(model, "args", None)
+    if ours is not None:
+        _check_hf_args(config_file, spec, theirs, ours)
+
+    reader = HuggingFaceStorageReader(str(hf_dir))
+    try:
+        metadata = reader.read_metadata()
+    except Exception as exc:
+        raise CheckpointError(f"model.init_from: cannot read the safetensors in {hf_dir}: {exc}") from None
+    state = spec.hf.to_hf(get_model_state_dict(model))
+    available = metadata.state_dict_metadata
+    missing = [k for k in state if k not in available]
+    untie = missing == ["lm_head.weight"] and "model.embed_tokens.weight" in available
+    if missing and not untie:
+        raise CheckpointError(f"model.init_from: {hf_dir} lacks tensors this model needs: {some(missing)}")
+    wrong = [
+        f"{k}: file {list(available[k].size)}, model {list(v.shape)}"
+        for k, v in state.items()
+        if k in available and tuple(available[k].size) != tuple(v.shape)
+    ]
+    if wrong:
+        raise CheckpointError(
+            f"model.init_from: {hf_dir} does not fit this model:\n  - " + "\n  - ".join(wrong)
+        )
+    head = state.pop("lm_head.weight") if untie else None
+    try:
+        dcp.load(state, storage_reader=reader)
+        if head is not None:  # the HF model ties its head to the embedding; this one has its own
+            dcp.load(
+                {"model.embed_tokens.weight": head}, storage_reader=HuggingFaceStorageReader(str(hf_dir))
+            )
+            state["lm_head.weight"] = head
+    except (Exception, dcp.CheckpointException) as exc:  # the latter is a BaseException
+        raise CheckpointError(
+            f"model.init_from: reading {hf_dir} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    set_model_state_dict(model, spec.hf.from_hf(state))
+
+
+def _check_hf_args(config_file: Path, spec: ModelSpec, theirs: Any, ours: Any) -> None:
+    """Compare the architectures as Hugging Face configs: the family's own translation of both."""
+    theirs_hf: Mapping[str, Any] = spec.hf.config(theirs, torch_dtype="float32")
+    ours_hf: Mapping[str, Any] = spec.hf.config(ours, torch_dtype="float32")
+    problems = [
+        f"{key}: {config_file.name} has {theirs_hf.get(key)}, the model {ours_hf.get(key)}"
+        for key in dict.fromkeys([*ours_hf, *theirs_hf])
+        if key not in _FREE_CONFIG_KEYS and theirs_hf.get(key) != ours_hf.get(key)
+    ]
+    if ours.tie_embeddings and not theirs.tie_embeddings:
+        problems.append("tie_embeddings: the file has a separate lm_head, the model ties it to the embedding")
+    if problems:
+        raise CheckpointError(
+            f"model.init_from: {config_file} describes another architecture than this recipe's model:\n  - "
+            + "\n  - ".join(problems)
+            + "\nPick the recipe/model.flavor that matches it (or set the model.* sizes to match)."
+        )

@@ -1,0 +1,69 @@
+"""One module per ``portatrain`` command; the CLI (``portatrain.cli``) dispatches to them by name.
+
+A command reuses the pipeline's stages and never re-implements them. Two kinds exist:
+
+* **Config commands** (the default) receive the composed, validated config. The module defines::
+
+      def run(cfg: Config, ctx: CommandContext) -> None: ...
+      SHORTHANDS = {"out": "export.out"}   # optional: bare keys the command reads from its section
+
+  ``ctx`` carries what is not in the config: the ``Trainer`` subclass research code passed to
+  ``portatrain.cli.main`` and the raw command-line overrides (which ``render`` replays in the job).
+* **Argument commands** take plain ``argparse``-style arguments and skip Hydra (``audit``,
+  ``kernels``...). The module sets ``HYDRA = False`` and defines::
+
+      def main(argv: list[str]) -> int | None: ...   # the exit status; None means 0
+
+Either kind raises a :class:`~portatrain.errors.UserError` for anything the user must fix; the
+CLI prints it as one line, with no traceback, and exits with status 2.
+
+Adding a command is one file and one line: write ``portatrain/commands/<name>.py`` as above, then
+add ``"<name>": "portatrain.commands.<name>"`` to :data:`COMMANDS`. Modules are imported only when
+their command runs, so a heavy command costs the others nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+COMMANDS: dict[str, str] = {
+    "train": "portatrain.commands.train",  # the default command
+    "bench": "portatrain.commands.bench",  # cold start and steady-state throughput
+    "export": "portatrain.commands.export",  # a checkpoint -> a Hugging Face directory
+    "plan": "portatrain.commands.plan",  # = dry_run=true: size and memory, nothing allocated
+    "render": "portatrain.commands.render",  # a SLURM/Kubernetes job for this config
+    "submit": "portatrain.commands.submit",  # ... written to the run directory and submitted
+}
+"""Command name -> module. ``dry_run=true`` runs ``plan`` whatever the command."""
+
+DEFAULT_COMMAND = "train"
+
+
+@dataclass
+class CommandContext:
+    """What a config command gets besides the config."""
+
+    trainer_cls: type | None = None
+    """The ``Trainer`` subclass passed to ``portatrain.cli.main`` (None: ``portatrain.trainer.Trainer``)."""
+    overrides: list[str] = field(default_factory=list)
+    """The Hydra overrides of the command line, as typed (shorthands expanded)."""
+
+
+def load_command(name: str) -> ModuleType:
+    """The module of command ``name`` (imported now)."""
+    return importlib.import_module(COMMANDS[name])
+
+
+def uses_hydra(module: ModuleType) -> bool:
+    """Whether the command wants a composed config (``run``) or raw arguments (``main``)."""
+    return bool(getattr(module, "HYDRA", True))
+
+
+def shorthands(module: ModuleType) -> dict[str, Any]:
+    return dict(getattr(module, "SHORTHANDS", {}))
+
+
+__all__ = ["COMMANDS", "DEFAULT_COMMAND", "CommandContext", "load_command", "shorthands", "uses_hydra"]

@@ -1,0 +1,12 @@
+"""``portatrain bench recipe=... device=...``: cold start and steady state, measured apart (``portatrain.bench``)."""
+
+from __future__ import annotations
+
+from portatrain.commands import CommandContext
+from portatrain.config import Config
+
+
+def run(cfg: Config, ctx: CommandContext) -> None:
+    from portatrain.bench import run_bench
+
+    run_bench(cfg, trainer_cls=ctx.trainer_cls)

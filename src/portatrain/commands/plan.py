@@ -1,0 +1,12 @@
+"""``portatrain plan ...`` or ``dry_run=true``: parameters and per-device memory, nothing allocated (``portatrain.plan``)."""
+
+from __future__ import annotations
+
+from portatrain.commands import CommandContext
+from portatrain.config import Config
+
+
+def run(cfg: Config, ctx: CommandContext) -> None:
+    from portatrain.plan import describe_plan
+
+    print(describe_plan(cfg))

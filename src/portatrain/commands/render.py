@@ -1,0 +1,12 @@
+"""``portatrain render recipe=... parallel.launch.*=...``: print (or write) the SLURM/Kubernetes job (``portatrain.launch``)."""
+
+from __future__ import annotations
+
+from portatrain.commands import CommandContext
+from portatrain.config import Config
+
+
+def run(cfg: Config, ctx: CommandContext) -> None:
+    from portatrain.launch import render_command
+
+    render_command(cfg, ctx.overrides)

@@ -1,0 +1,144 @@
+"""Check a composed config as a whole, before anything is built; raise once with every problem.
+
+:func:`validate` asks each stage for the problems of its part of the config -- the stage owns the
+allowed values and the rules -- and adds the few checks that span two stages (the longest data row
+against the model's RoPE table; tensor parallel against the model's heads and the rows' lengths).
+Each problem names the key, the value, the constraint and the fix. The CLI calls this for every
+command that composes a config.
+"""
+
+from __future__ import annotations
+
+from portatrain.accelerators import ACCELERATORS
+from portatrain.bench import bench_problems
+from portatrain.compile import compile_problems
+from portatrain.config import Config, DataConfig, TrainerConfig
+from portatrain.data.collate import OVERLONG_POLICIES
+from portatrain.data.loader import COLLATORS
+from portatrain.data.sampler import ORDERS
+from portatrain.dtypes import dtype_problem
+from portatrain.errors import ConfigError
+from portatrain.models import model_args, model_problems
+from portatrain.optim import optim_problems
+from portatrain.parallel.activation_checkpoint import AC_MODES
+from portatrain.parallel.parallel_dims import expected_world_size, parallel_problems
+from portatrain.profiling import profile_problems
+
+LAST_BATCH = ("drop", "pad")  # data.last_batch, as portatrain.data.loader.build_dataloader reads it
+
+
+def validate(cfg: Config) -> None:
+    """Raise :class:`ConfigError` listing every problem of ``cfg``; return None when it can run."""
+    problems = config_problems(cfg)
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def config_problems(cfg: Config) -> list[str]:
+    """Every problem of ``cfg``, each with its fix (empty when it can run)."""
+    problems = device_problems(cfg.device.type)
+    problems += data_problems(cfg.data)
+    problems += model_problems(cfg.model)
+    problems += optim_problems(cfg.optim)
+    problems += trainer_problems(cfg.trainer)
+    problems += compile_problems(cfg.compile)
+    problems += kernel_problems(cfg.kernels.enabled, cfg.device.type)
+    problems += profile_problems(cfg.profile)
+    problems += bench_problems(cfg.bench)
+    problems += dtype_problem("export.dtype", cfg.export.dtype)
+    if cfg.parallel.activation_checkpointing not in AC_MODES:
+        problems.append(
+            f"parallel.activation_checkpointing={cfg.parallel.activation_checkpointing!r} is not one of "
+            f"{', '.join(AC_MODES)}"
+        )
+
+    # Checks across stages need a valid model; an invalid one was reported above.
+    args = None
+    if not model_problems(cfg.model):
+        args = model_args(cfg.model)
+    lengths, row_key = _row_lengths(cfg.data)
+    if args is not None and lengths and max(lengths) > args.max_seq_len:
+        problems.append(
+            f"the longest row ({max(lengths)} positions, from {row_key}) exceeds the model's RoPE table "
+            f"({args.max_seq_len}); set model.max_seq_len>={max(lengths)} or shorten the data"
+        )
+    problems += parallel_problems(
+        cfg.parallel,
+        world_size=expected_world_size(cfg.parallel, dry_run=bool(cfg.dry_run)),
+        model_args=args,
+        row_lengths=lengths,
+        row_key=row_key,
+        model_name=f"{cfg.model.name} flavour {cfg.model.flavor!r}",
+    )
+    return problems
+
+
+def device_problems(device_type: str) -> list[str]:
+    """``device.type`` must name an adapter of ``portatrain.accelerators`` (or ``auto``)."""
+    choices = ("auto", *ACCELERATORS)
+    if device_type in choices:
+        return []
+    return [f"device.type={device_type!r} is not one of {', '.join(choices)}"]
+
+
+def data_problems(data: DataConfig) -> list[str]:
+    """The data stage's options, against the choices the data modules define."""
+    problems = []
+    for key, value, choices in (
+        ("data.collator", data.collator, COLLATORS),
+        ("data.overlong", data.overlong, OVERLONG_POLICIES),
+        ("data.last_batch", data.last_batch, LAST_BATCH),
+        ("data.sampler", data.sampler, ORDERS),
+    ):
+        if value not in choices:
+            problems.append(f"{key}={value!r} is not one of {', '.join(choices)}")
+    buckets = list(data.buckets)
+    if not buckets or buckets != sorted(set(buckets)) or buckets[0] <= 0:
+        problems.append(
+            f"data.buckets={buckets} must be a non-empty, strictly ascending list of positive lengths"
+        )
+    for key in ("seq_len", "batch_size"):
+        if getattr(data, key) <= 0:
+            problems.append(f"data.{key}={getattr(data, key)} must be positive")
+    if not 0.0 <= data.eval_fraction < 1.0:
+        problems.append(f"data.eval_fraction={data.eval_fraction} must be in [0, 1)")
+    return problems
+
+
+def trainer_problems(trainer: TrainerConfig) -> list[str]:
+    problems = dtype_problem("trainer.dtype", trainer.dtype, allow=("auto",))
+    for key in ("steps", "grad_accum", "log_every"):
+        if getattr(trainer, key) <= 0:
+            problems.append(f"trainer.{key}={getattr(trainer, key)} must be positive")
+    return problems
+
+
+def kernel_problems(enabled: list[str], device_type: str) -> list[str]:
+    """``kernels.enabled`` names, checked by the kernels stage when it has a checker."""
+    try:
+        from portatrain.kernels import config_problems
+    except ImportError:
+        config_problems = None
+    if config_problems is not None:
+        return list(config_problems(list(enabled), device_type))
+    unknown = [k for k in enabled if k not in KNOWN_KERNELS]
+    if not unknown:
+        return []
+    return [
+        f"kernels.enabled={list(enabled)}: unknown kernel(s) {unknown}; "
+        f"available: {', '.join(KNOWN_KERNELS) or 'none yet'} (see kernels/README.md)"
+    ]
+
+
+KNOWN_KERNELS: tuple[str, ...] = ()
+"""Kernel names ``kernels.enabled`` accepts until ``portatrain.kernels.config_problems`` exists."""
+
+
+def _row_lengths(data: DataConfig) -> tuple[list[int], str]:
+    """Every row length the loader emits, and the key they come from."""
+    if data.collator == "bucket":
+        return [int(b) for b in data.buckets if b > 0], "data.buckets"
+    return ([int(data.seq_len)] if data.seq_len > 0 else []), "data.seq_len"
+
+
+__all__ = ["config_problems", "validate"]
