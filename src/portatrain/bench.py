@@ -97,6 +97,7 @@ def timed_trainer_class(base: type[Trainer]) -> type[Trainer]:
 def run_bench(cfg: Config, trainer_cls: type[Trainer] | None = None) -> dict[str, Any]:
     """Run the bench for a composed config; return the results (rank 0 also writes and prints them)."""
     from portatrain.trainer import Trainer
+
     start = time.perf_counter()
     problems = bench_problems(cfg.bench)
     if problems:

@@ -347,5 +347,3 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("portatrain_run_dir", default_run_dir)
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
-
-

@@ -27,7 +27,9 @@ def optim_problems(cfg: OptimConfig) -> list[str]:
     """Every problem of the ``optim`` group (the validator's optimizer-stage check)."""
     problems = []
     if cfg.name not in OPTIMIZERS:
-        problems.append(f"optim.name={cfg.name!r} is unknown; the available optimizer is {', '.join(OPTIMIZERS)}")
+        problems.append(
+            f"optim.name={cfg.name!r} is unknown; the available optimizer is {', '.join(OPTIMIZERS)}"
+        )
     if cfg.decay not in DECAYS:
         problems.append(f"optim.decay={cfg.decay!r} is not one of {', '.join(DECAYS)}")
     if cfg.warmup_steps < 0 or cfg.lr <= 0:

@@ -71,4 +71,3 @@ def describe_plan(cfg: Config) -> str:
         format_memory_report(estimate, title="estimated memory per device"),
     ]
     return "\n".join(lines)
-

@@ -89,7 +89,9 @@ class Trainer:
         init_distributed(self.accelerator, self.dist)
         self.device = self.accelerator.device
         self.dtype = (
-            self.accelerator.default_dtype if cfg.trainer.dtype == "auto" else dtype_from_name(cfg.trainer.dtype)
+            self.accelerator.default_dtype
+            if cfg.trainer.dtype == "auto"
+            else dtype_from_name(cfg.trainer.dtype)
         )
         self.parallel_dims.build_mesh(self.accelerator.device_type)
         self.dp_rank, self.dp_world_size = self.parallel_dims.dp_rank, self.parallel_dims.dp

@@ -302,5 +302,3 @@ def model_args_dict(model: nn.Module) -> dict[str, Any] | None:
     """The model's architecture as JSON (for export), when it is a dataclass-configured model."""
     args = getattr(model, "args", None)
     return dataclasses.asdict(args) if dataclasses.is_dataclass(args) else None
-
-

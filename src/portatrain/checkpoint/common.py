@@ -27,7 +27,6 @@ class CheckpointError(UserError, ValueError):
     """
 
 
-
 def some(keys: list[str], limit: int = 6) -> str:
     """The first ``limit`` keys, and how many there are in all."""
     more = f" ... ({len(keys)} in all)" if len(keys) > limit else ""

@@ -56,5 +56,3 @@ class PreemptionWatcher:
         flag = torch.tensor([int(self.requested)], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return bool(flag.item())
-
-

@@ -93,5 +93,3 @@ def load_dataloader_state(loader: Any, state: Mapping[str, Any], path: Path) -> 
             "data.batch_size * data-parallel ranks equal to the saved run's; to train on with a fresh "
             "data order instead (restarting at epoch 0), set checkpoint.restore_data=false."
         ) from None
-
-

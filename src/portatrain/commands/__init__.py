@@ -36,6 +36,7 @@ COMMANDS: dict[str, str] = {
     "plan": "portatrain.commands.plan",  # = dry_run=true: size and memory, nothing allocated
     "render": "portatrain.commands.render",  # a SLURM/Kubernetes job for this config
     "submit": "portatrain.commands.submit",  # ... written to the run directory and submitted
+    "kernels": "portatrain.commands.kernels",  # kernel overrides: list, parity check
 }
 """Command name -> module. ``dry_run=true`` runs ``plan`` whatever the command."""
 

@@ -104,7 +104,9 @@ class ModelSpec:
         support. The result is not validated: call its ``problems()``.
         """
         if flavor not in self.flavors:
-            raise KeyError(f"model.flavor={flavor!r} is unknown for {self.name}; choose one of {', '.join(self.flavors)}")
+            raise KeyError(
+                f"model.flavor={flavor!r} is unknown for {self.name}; choose one of {', '.join(self.flavors)}"
+            )
         fields = {f.name for f in dataclasses.fields(self.args_cls)}
         given = {k: v for k, v in overrides.items() if v is not None}
         unsupported = sorted(k for k in given if k not in self.config_overrides and k not in fields)
@@ -128,7 +130,11 @@ class ModelSpec:
                 continue
             value = values[field.name]
             if isinstance(value, Mapping):
-                nested = [t for t in typing.get_args(hints[field.name]) or (hints[field.name],) if dataclasses.is_dataclass(t)]
+                nested = [
+                    t
+                    for t in typing.get_args(hints[field.name]) or (hints[field.name],)
+                    if dataclasses.is_dataclass(t)
+                ]
                 if nested:
                     value = nested[0](**value)
             kwargs[field.name] = value

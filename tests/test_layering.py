@@ -1,0 +1,96 @@
+"""Layers point down (STYLE.md rule 17): the import graph of ``portatrain`` has no cycle and no upward edge.
+
+The table below is the architecture: each row may import the rows above it, never a row below or a
+neighbour in its own row. A new first-level module or package must be placed in it. The checker
+(``tests/layering.py``) reads sources with ``ast``; imports inside functions and under
+``TYPE_CHECKING`` count, because they are dependencies all the same.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.layering import layering_violations
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "portatrain"
+
+LAYERS: list[tuple[str, ...]] = [
+    ("errors", "config", "dtypes"),  # leaves: import nothing of portatrain
+    ("accelerators", "data"),  # device adapters; the data pipeline
+    ("distributed", "parallel"),  # process groups; parallel dims, mesh, FSDP/TP helpers
+    ("models",),  # model families (their parallelize.py uses parallel/)
+    ("compile", "optim", "profiling", "metrics", "checkpoint", "kernels"),  # stages used by the trainer
+    ("trainer", "plan", "export", "audit"),  # the loop; the dry run; HF export; static audit
+    ("bench", "launch"),  # commands' engines built on the trainer / the layout
+    ("validate",),  # asks every stage for its problems
+    ("commands",),  # one module per command
+    ("cli",),  # dispatch
+    ("__main__", "__init__"),
+]
+
+
+def test_portatrain_layers_point_down_without_cycles() -> None:
+    problems = layering_violations(SRC, "portatrain", LAYERS)
+    assert not problems, "\n".join(problems)
+
+
+def test_config_is_a_leaf() -> None:
+    from tests.layering import module_imports
+
+    imports = module_imports(SRC, "portatrain")
+    assert imports["portatrain.config"] == set()
+    assert imports["portatrain.errors"] == set()
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / "pkg" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root / "pkg"
+
+
+SYNTHETIC_LAYERS = [("config",), ("models",), ("trainer",)]
+
+
+def test_checker_passes_a_clean_package(tmp_path: Path) -> None:
+    pkg = _write(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "config.py": "X = 1\n",
+            "models/__init__.py": "from pkg.config import X\nfrom . import llama\n",
+            "models/llama.py": "from ..config import X\n",
+            "trainer.py": "from pkg.models import llama\n",
+        },
+    )
+    assert layering_violations(pkg, "pkg", [*SYNTHETIC_LAYERS, ("__init__",)]) == []
+
+
+def test_checker_catches_an_upward_import_and_a_cycle(tmp_path: Path) -> None:
+    pkg = _write(
+        tmp_path,
+        {
+            "__init__.py": "",
+            # the planted violation: the leaf reaches up, lazily, inside a function
+            "config.py": "def f():\n    from pkg.models import llama\n",
+            "models/__init__.py": "from pkg.config import f\n",
+            "models/llama.py": "from .. import trainer\n",  # relative import two levels up
+            "trainer.py": "import pkg.models.llama\n",
+        },
+    )
+    problems = layering_violations(pkg, "pkg", [*SYNTHETIC_LAYERS, ("__init__",)])
+    text = "\n".join(problems)
+    assert "pkg.config imports pkg.models: config (layer 0) may not import models (layer 1, higher)" in text
+    assert "pkg.models.llama imports pkg.trainer: models (layer 1) may not import trainer" in text
+    assert "import cycle between components: config -> models -> config" in text
+
+
+def test_checker_catches_a_sibling_import_and_an_unlisted_component(tmp_path: Path) -> None:
+    pkg = _write(
+        tmp_path,
+        {"__init__.py": "", "a.py": "from pkg import b\n", "b.py": "", "c.py": "import pkg.a\n"},
+    )
+    problems = layering_violations(pkg, "pkg", [("a", "b"), ("__init__",)])
+    assert any("a and b share layer 0" in p for p in problems)
+    assert any("component 'c' is not in the layer table" in p for p in problems)
