@@ -271,3 +271,15 @@ def test_importing_kernels_loads_no_jax_or_vendor_stack() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "LOADED []" in out.stdout, out.stdout
+
+
+def test_portatrain_kernels_subcommand_lists_overrides() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "portatrain", "kernels", "list"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[1],
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "pallas_interpret_rope" in out.stdout and "nki_swiglu" in out.stdout

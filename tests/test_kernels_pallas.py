@@ -147,3 +147,29 @@ def test_interpret_ops_compile_to_one_graph_without_breaks() -> None:
 def test_tpu_bridge_matches_reference(operation: str) -> None:  # pragma: no cover - TPU hosts only
     for r in run_check(OVERRIDES[f"pallas_{operation}"]):
         assert r.ok, r
+
+
+def test_kernels_check_prints_error_against_tolerance_and_exit_status(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import portatrain.kernels.cli as cli
+
+    subset = {name: OVERRIDES[name] for name in ("pallas_rope", "pallas_interpret_swiglu")}
+    monkeypatch.setattr(cli, "OVERRIDES", subset)
+    assert cli.check_kernels() == 0
+    out = capsys.readouterr().out
+    assert "SKIP pallas_rope: TorchTPU bridge on a TPU -- needs a TPU and torch_tpu" in out
+    assert out.count("ok   pallas_interpret_swiglu") == 3
+    assert "max err" in out and "tol atol=1e-05 rtol=0.0001" in out
+    # A kernel that disagrees with its reference fails the check with a non-zero status.
+    monkeypatch.setattr(cli, "run_check", lambda ov: [_failed_result(ov.name)])
+    assert cli.check_kernels() == 1
+    assert "FAIL pallas_interpret_swiglu" in capsys.readouterr().out
+
+
+def _failed_result(name: str):
+    from portatrain.kernels.parity import CaseResult, Comparison
+
+    return CaseResult(
+        name, "case", torch.float32, TOLERANCES[torch.float32], (Comparison("output", 1.0, 5.0),)
+    )

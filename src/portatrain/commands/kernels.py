@@ -1,0 +1,12 @@
+"""``portatrain kernels list|check``: the kernel overrides, their backends, and parity against the
+PyTorch references (``portatrain.kernels``). An argument command: no Hydra config."""
+
+from __future__ import annotations
+
+HYDRA = False
+
+
+def main(argv: list[str]) -> int:
+    from portatrain.kernels.cli import main as kernels_main
+
+    return kernels_main(argv)
