@@ -366,3 +366,41 @@ def test_named_files_are_audited_even_when_excluded(tmp_path: Path) -> None:
     assert [f.rule for f in audit_paths([root / "vendor" / "cuda_adapter.py"], config).findings] == [
         "cuda-api"
     ]
+
+
+def test_ported_example_trains_with_label_smoothing(tmp_path: Path) -> None:
+    """The port runs as a Trainer subclass: its loss is the label-smoothed sum, it tracks the best
+    evaluation loss, and training through it works end to end."""
+    import importlib.util
+
+    import torch
+    import torch.nn.functional as F
+
+    from tests.conftest import TINY, compose_config
+
+    spec = importlib.util.spec_from_file_location("ported_train", ROOT / "examples" / "ported_train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    trainer_cls = module.LabelSmoothingTrainer
+
+    logits = torch.randn(2, 5, 11)
+    labels = torch.tensor([[1, 2, 3, -100, -100], [4, 5, 6, 7, 8]])
+    loss = trainer_cls.compute_loss(trainer_cls.__new__(trainer_cls), logits, {"labels": labels})
+    smoothed = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing=0.1, reduction="sum")
+    plain = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    assert torch.allclose(loss, smoothed) and not torch.allclose(loss, plain)
+
+    class Recording(trainer_cls):
+        evals: list[float] = []
+
+        def on_eval_end(self, step: int, metrics: dict[str, float]) -> None:
+            self.evals.append(metrics["eval_loss"])
+            super().on_eval_end(step, metrics)
+
+    cfg = compose_config([*TINY, "trainer.eval_every=2", "data.eval_fraction=0.2"], run_dir=tmp_path / "run")
+    trainer = Recording(cfg)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    assert len(trainer.evals) == 2 and trainer.best_eval_loss == min(trainer.evals)
