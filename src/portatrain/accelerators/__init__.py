@@ -15,6 +15,7 @@ from portatrain.accelerators.cpu import CPUAccelerator
 from portatrain.accelerators.cuda import CUDAAccelerator
 from portatrain.accelerators.mps import MPSAccelerator
 from portatrain.accelerators.neuron import NeuronAccelerator
+from portatrain.accelerators.sim.adapter import SimAccelerator  # builds nothing until selected
 from portatrain.accelerators.tpu import TPUAccelerator
 
 __all__ = ["ACCELERATORS", "AUTO_ORDER", "Accelerator", "DeviceUnavailableError", "resolve_accelerator"]
@@ -23,7 +24,14 @@ logger = logging.getLogger(__name__)
 
 ACCELERATORS: dict[str, type[Accelerator]] = {
     cls.name: cls
-    for cls in (CPUAccelerator, CUDAAccelerator, TPUAccelerator, NeuronAccelerator, MPSAccelerator)
+    for cls in (
+        CPUAccelerator,
+        CUDAAccelerator,
+        TPUAccelerator,
+        NeuronAccelerator,
+        MPSAccelerator,
+        SimAccelerator,
+    )
 }
 AUTO_ORDER = ("tpu", "neuron", "cuda", "cpu")
 

@@ -1,0 +1,60 @@
+"""``device=sim``: the accelerator adapter for portatrain's simulated device.
+
+Selecting it (``device=sim``, or ``resolve_accelerator("sim")``) builds/loads the C++ extension
+and installs the device; merely importing this module does neither. Not part of ``device=auto``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from portatrain.accelerators.base import Accelerator
+
+
+class SimAccelerator(Accelerator):
+    name = "sim"
+    install_hint = "install a C++ compiler (g++) so the sim device can be built on first use"
+    compile_backend = "aot_eager"
+    static_shapes = True  # like the TPU and Neuron compilers: one graph per shape
+    default_dtype = torch.float32  # its kernels are the CPU's: bf16 matmuls are slow there
+    fused_adamw = False
+
+    @property
+    def device_type(self) -> str:  # type: ignore[override]
+        """``sim``, or the impersonated name from ``PORTATRAIN_SIM_AS`` (``tpu``, ``neuron``)."""
+        from portatrain.accelerators.sim.runtime import device_name
+
+        return device_name()
+
+    @property
+    def dist_backend(self) -> str:  # type: ignore[override]
+        """Gloo for CPU tensors and the sim's own backend (gloo over aliases) for device tensors."""
+        from portatrain.accelerators.sim.distributed import BACKEND_NAME
+
+        return f"cpu:gloo,{self.device_type}:{BACKEND_NAME}"
+
+    def vendor_installed(self) -> bool:
+        return True
+
+    def load(self) -> None:
+        from portatrain.accelerators.sim.runtime import install
+
+        install()
+
+    def unavailable_reason(self) -> str | None:
+        from portatrain.accelerators.sim._build import compiler_missing_reason
+
+        reason = compiler_missing_reason()
+        if reason is not None:
+            return reason
+        try:
+            self.load()
+        except Exception as exc:  # a failed build surfaces as any exception type
+            return f"building or loading the sim device failed: {type(exc).__name__}: {exc}"
+        count = self.device_count()
+        if count <= self.index:
+            return f"{count} sim device(s), need index {self.index}; set SIM_DEVICE_COUNT={self.index + 1}"
+        return None
+
+    def device_name(self) -> str:
+        return f"portatrain sim ({self.device_type}, CPU kernels)"

@@ -1,0 +1,215 @@
+"""Install the sim device into this process: rename PrivateUse1, register ``torch.<name>``.
+
+:func:`install` is the one entry point. It builds or loads the C++ extension, renames torch's
+PrivateUse1 device to ``sim`` (or to the impersonated name from ``PORTATRAIN_SIM_AS``), registers a
+device module with the ``torch.cuda``-like functions generic code calls (``device_count``,
+``synchronize``, ``manual_seed_all``, ``Stream``, ``Event``, memory statistics), adds the
+``Tensor.sim()``/``is_sim`` helpers, applies ``SIM_MEMORY_CAPACITY`` and the unsupported-op list,
+and registers the ``simccl`` process-group backend. It changes process-global state and cannot be
+undone, which is why nothing imports this module until the device is selected.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import re
+import time
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from portatrain.accelerators.sim import _build, counters
+
+SIM_AS_ENV = "PORTATRAIN_SIM_AS"
+"""Names the device in this process: ``sim`` (default), ``tpu`` or ``neuron`` (impersonation)."""
+CAPACITY_ENV = "SIM_MEMORY_CAPACITY"
+"""Per-device memory capacity (``512MiB``, ``2GB``, ``1073741824``); unset means unlimited."""
+ALLOWED_NAMES = ("sim", "tpu", "neuron")
+
+_installed: str | None = None
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """``"512MiB"`` -> 536870912. Raises ValueError naming the value and the accepted forms."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"{CAPACITY_ENV}={text!r} is not a size; write bytes or a number with a unit "
+            f"({', '.join(u for u in _UNITS if u)}), e.g. 512MiB"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def device_name() -> str:
+    """The device type this process uses (or will use) for the sim: ``PORTATRAIN_SIM_AS`` or ``sim``."""
+    return _installed or os.environ.get(SIM_AS_ENV) or "sim"
+
+
+def installed() -> str | None:
+    """The name the sim was installed under in this process, or None."""
+    return _installed
+
+
+def install(name: str | None = None) -> types.ModuleType:
+    """Make the sim device usable as ``torch.device(name)``; return its ``torch.<name>`` module.
+
+    ``name`` defaults to ``$PORTATRAIN_SIM_AS`` or ``sim``. Idempotent for the same name; a
+    second name in one process is an error (torch allows one PrivateUse1 name per process).
+    """
+    global _installed
+    name = name or device_name()
+    if name not in ALLOWED_NAMES:
+        raise ValueError(
+            f"{SIM_AS_ENV}={name!r}: the sim device can be named {', '.join(ALLOWED_NAMES)}; "
+            f"unset {SIM_AS_ENV} for the plain sim device"
+        )
+    if _installed is not None:
+        if _installed != name:
+            raise RuntimeError(
+                f"the sim device is already installed as {_installed!r} in this process and cannot "
+                f"also be {name!r}: torch allows one PrivateUse1 name per process; use a new process"
+            )
+        return getattr(torch, name)
+    current = torch._C._get_privateuse1_backend_name()
+    if current not in ("privateuseone", name):
+        raise RuntimeError(
+            f"PrivateUse1 is already taken by {current!r} in this process (another out-of-tree device "
+            f"is loaded); the sim device cannot be installed as {name!r} alongside it"
+        )
+    ext = _build.load_extension()
+    if current != name:
+        torch.utils.rename_privateuse1_backend(name)
+    ext.register_hooks()
+    module = _device_module(ext, name)
+    torch._register_device_module(name, module)
+    torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
+    capacity = os.environ.get(CAPACITY_ENV)
+    ext.set_capacity(parse_bytes(capacity) if capacity else 0)
+    counters._attach(ext)
+    from portatrain.accelerators.sim import distributed
+
+    distributed.register(ext, name)
+    # Autograd runs device backward on its own worker threads, which drop their last reference
+    # to the finished graph task (and the Python objects it holds) just after waking the caller.
+    # A process that exits right after backward() can finalize Python in between, and the worker,
+    # blocked on the GIL, is then killed mid-unwind ("terminate called without an active
+    # exception"). Yielding the GIL briefly at exit lets it finish first.
+    atexit.register(time.sleep, 0.05)
+    _installed = name
+    return module
+
+
+def _device_module(ext: Any, name: str) -> types.ModuleType:
+    """A ``torch.cuda``-shaped module: what FSDP2, DCP, autocast and torch.random look up by name."""
+    module = types.ModuleType(
+        f"torch.{name}", f"portatrain's simulated accelerator, registered as torch.{name}."
+    )
+
+    def _index(device: Any = None) -> int:
+        if device is None:
+            return ext.current_device()
+        if isinstance(device, int):
+            return device
+        device = torch.device(device)
+        return ext.current_device() if device.index is None else device.index
+
+    def synchronize(device: Any = None) -> None:
+        ext.record_event("sync:synchronize")
+
+    def manual_seed(seed: int) -> None:
+        ext.default_generator(ext.current_device()).manual_seed(int(seed))
+
+    def manual_seed_all(seed: int) -> None:
+        for i in range(ext.device_count()):
+            ext.default_generator(i).manual_seed(int(seed))
+
+    def stats(device: Any = None) -> dict[str, Any]:
+        return torch.accelerator.memory_stats(torch.device(name, _index(device)))
+
+    class device:  # noqa: N801 - mirrors torch.cuda.device
+        """Context manager that makes ``index`` the current sim device."""
+
+        def __init__(self, index: Any) -> None:
+            self.index, self.previous = _index(index), None
+
+        def __enter__(self) -> None:
+            self.previous = ext.current_device()
+            ext.set_device(self.index)
+
+        def __exit__(self, *exc: object) -> None:
+            ext.set_device(self.previous)
+
+    @contextlib.contextmanager
+    def stream(s: torch.Stream | None) -> Iterator[None]:
+        if s is None:
+            yield
+            return
+        previous = torch.accelerator.current_stream(s.device)
+        torch.accelerator.set_stream(s)
+        try:
+            yield
+        finally:
+            torch.accelerator.set_stream(previous)
+
+    functions = {
+        "is_available": lambda: True,
+        "is_initialized": lambda: True,
+        "_is_in_bad_fork": lambda: False,
+        "_lazy_init": lambda: None,
+        "device_count": ext.device_count,
+        "current_device": ext.current_device,
+        "set_device": lambda device: ext.set_device(_index(device)),
+        "synchronize": synchronize,
+        "manual_seed": manual_seed,
+        "manual_seed_all": manual_seed_all,
+        "seed": lambda: manual_seed(torch.seed()),
+        "seed_all": lambda: manual_seed_all(torch.seed()),
+        "initial_seed": lambda: ext.default_generator(ext.current_device()).initial_seed(),
+        "get_rng_state": lambda device=None: ext.default_generator(_index(device)).get_state(),
+        "set_rng_state": lambda state, device=None: ext.default_generator(_index(device)).set_state(state),
+        "get_rng_state_all": lambda: [
+            ext.default_generator(i).get_state() for i in range(ext.device_count())
+        ],
+        "set_rng_state_all": lambda states: [
+            ext.default_generator(i).set_state(s) for i, s in enumerate(states)
+        ],
+        "default_generators": tuple(ext.default_generator(i) for i in range(ext.device_count())),
+        "memory_allocated": lambda device=None: stats(device).get("allocated_bytes.all.current", 0),
+        "max_memory_allocated": lambda device=None: stats(device).get("allocated_bytes.all.peak", 0),
+        "memory_reserved": lambda device=None: stats(device).get("reserved_bytes.all.current", 0),
+        "max_memory_reserved": lambda device=None: stats(device).get("reserved_bytes.all.peak", 0),
+        "memory_stats": stats,
+        "reset_peak_memory_stats": lambda device=None: torch.accelerator.reset_peak_memory_stats(
+            torch.device(name, _index(device))
+        ),
+        "mem_get_info": lambda device=None: torch.accelerator.get_memory_info(
+            torch.device(name, _index(device))
+        ),
+        "empty_cache": lambda: None,
+        "Stream": lambda device=None, priority=0, **kwargs: torch.Stream(
+            device=torch.device(name, _index(device)), priority=priority
+        ),
+        "Event": lambda enable_timing=False, blocking=False, interprocess=False: torch.Event(
+            device=torch.device(name, ext.current_device()), enable_timing=enable_timing
+        ),
+        "current_stream": lambda device=None: torch.accelerator.current_stream(
+            torch.device(name, _index(device))
+        ),
+        "default_stream": lambda device=None: torch.accelerator.current_stream(
+            torch.device(name, _index(device))
+        ),
+        "stream": stream,
+        "set_stream": torch.accelerator.set_stream,
+        "device": device,
+    }
+    for key, value in functions.items():
+        if value is not None:
+            setattr(module, key, value)
+    return module
