@@ -17,9 +17,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "portatrain"
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "config", "dtypes"),  # leaves: import nothing of portatrain
     ("accelerators", "data"),  # device adapters; the data pipeline
-    ("distributed", "parallel"),  # process groups; parallel dims, mesh, FSDP/TP helpers
+    ("distributed", "parallel", "kernels"),  # process groups; parallel dims, mesh, FSDP/TP; kernel overrides
     ("models",),  # model families (their parallelize.py uses parallel/)
-    ("compile", "optim", "profiling", "metrics", "checkpoint", "kernels"),  # stages used by the trainer
+    ("compile", "optim", "profiling", "metrics", "checkpoint"),  # stages the trainer uses
     ("trainer", "plan", "export", "audit"),  # the loop; the dry run; HF export; static audit
     ("bench", "launch"),  # commands' engines built on the trainer / the layout
     ("validate",),  # asks every stage for its problems

@@ -13,18 +13,15 @@ from portatrain.accelerators import ACCELERATORS
 from portatrain.bench import bench_problems
 from portatrain.compile import compile_problems
 from portatrain.config import Config, DataConfig, TrainerConfig
-from portatrain.data.collate import OVERLONG_POLICIES
-from portatrain.data.loader import COLLATORS
-from portatrain.data.sampler import ORDERS
+from portatrain.data.config import config_problems as data_problems
 from portatrain.dtypes import dtype_problem
 from portatrain.errors import ConfigError
+from portatrain.kernels import config_problems as kernel_problems
 from portatrain.models import model_args, model_problems
 from portatrain.optim import optim_problems
 from portatrain.parallel.activation_checkpoint import AC_MODES
 from portatrain.parallel.parallel_dims import expected_world_size, parallel_problems
 from portatrain.profiling import profile_problems
-
-LAST_BATCH = ("drop", "pad")  # data.last_batch, as portatrain.data.loader.build_dataloader reads it
 
 
 def validate(cfg: Config) -> None:
@@ -42,7 +39,7 @@ def config_problems(cfg: Config) -> list[str]:
     problems += optim_problems(cfg.optim)
     problems += trainer_problems(cfg.trainer)
     problems += compile_problems(cfg.compile)
-    problems += kernel_problems(cfg.kernels.enabled, cfg.device.type)
+    problems += kernel_problems(list(cfg.kernels.enabled), cfg.device.type)
     problems += profile_problems(cfg.profile)
     problems += bench_problems(cfg.bench)
     problems += dtype_problem("export.dtype", cfg.export.dtype)
@@ -81,57 +78,12 @@ def device_problems(device_type: str) -> list[str]:
     return [f"device.type={device_type!r} is not one of {', '.join(choices)}"]
 
 
-def data_problems(data: DataConfig) -> list[str]:
-    """The data stage's options, against the choices the data modules define."""
-    problems = []
-    for key, value, choices in (
-        ("data.collator", data.collator, COLLATORS),
-        ("data.overlong", data.overlong, OVERLONG_POLICIES),
-        ("data.last_batch", data.last_batch, LAST_BATCH),
-        ("data.sampler", data.sampler, ORDERS),
-    ):
-        if value not in choices:
-            problems.append(f"{key}={value!r} is not one of {', '.join(choices)}")
-    buckets = list(data.buckets)
-    if not buckets or buckets != sorted(set(buckets)) or buckets[0] <= 0:
-        problems.append(
-            f"data.buckets={buckets} must be a non-empty, strictly ascending list of positive lengths"
-        )
-    for key in ("seq_len", "batch_size"):
-        if getattr(data, key) <= 0:
-            problems.append(f"data.{key}={getattr(data, key)} must be positive")
-    if not 0.0 <= data.eval_fraction < 1.0:
-        problems.append(f"data.eval_fraction={data.eval_fraction} must be in [0, 1)")
-    return problems
-
-
 def trainer_problems(trainer: TrainerConfig) -> list[str]:
     problems = dtype_problem("trainer.dtype", trainer.dtype, allow=("auto",))
     for key in ("steps", "grad_accum", "log_every"):
         if getattr(trainer, key) <= 0:
             problems.append(f"trainer.{key}={getattr(trainer, key)} must be positive")
     return problems
-
-
-def kernel_problems(enabled: list[str], device_type: str) -> list[str]:
-    """``kernels.enabled`` names, checked by the kernels stage when it has a checker."""
-    try:
-        from portatrain.kernels import config_problems
-    except ImportError:
-        config_problems = None
-    if config_problems is not None:
-        return list(config_problems(list(enabled), device_type))
-    unknown = [k for k in enabled if k not in KNOWN_KERNELS]
-    if not unknown:
-        return []
-    return [
-        f"kernels.enabled={list(enabled)}: unknown kernel(s) {unknown}; "
-        f"available: {', '.join(KNOWN_KERNELS) or 'none yet'} (see kernels/README.md)"
-    ]
-
-
-KNOWN_KERNELS: tuple[str, ...] = ()
-"""Kernel names ``kernels.enabled`` accepts until ``portatrain.kernels.config_problems`` exists."""
 
 
 def _row_lengths(data: DataConfig) -> tuple[list[int], str]:
