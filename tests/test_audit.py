@@ -307,6 +307,17 @@ def test_sarif_has_the_required_fields(capsys) -> None:
     assert sum("suppressions" in r for r in run["results"]) == 3
 
 
+def test_portatrain_audit_command_is_wired() -> None:
+    from tests.conftest import run_cli
+
+    clean = run_cli(["audit", "--fail-on", "warning", "examples/ported_train.py"], cwd=ROOT)
+    assert clean.returncode == 0, clean.stderr
+    assert "0 findings" in clean.stdout
+    flagged = run_cli(["audit", "examples/cuda_first_train.py", "--format", "json"], cwd=ROOT)
+    assert flagged.returncode == 1, flagged.stderr
+    assert json.loads(flagged.stdout)["summary"]["error"] == 14
+
+
 def test_module_entry_point_runs(tmp_path: Path) -> None:
     out = tmp_path / "audit.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}

@@ -37,13 +37,14 @@ else:  # pragma: no cover - Python 3.10
         tomllib = None
 
 from portatrain.audit.rules import RULES, SEVERITIES
+from portatrain.errors import UserError
 
 CONFIG_FILE = ".portatrain-audit.toml"
 FAIL_ON_CHOICES: tuple[str, ...] = (*SEVERITIES, "never")
 _KEYS = ("disable", "severity", "exclude", "fail-on")
 
 
-class AuditConfigError(ValueError):
+class AuditConfigError(UserError, ValueError):
     """The audit config has problems; the message lists every one of them."""
 
 

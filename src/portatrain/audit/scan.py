@@ -40,6 +40,7 @@ from typing import Any
 
 from portatrain.audit.config import AuditConfig
 from portatrain.audit.rules import RULES, SEVERITIES
+from portatrain.errors import UserError
 
 # -- vocabulary ------------------------------------------------------------------------------------
 STEP_DRIVERS = frozenset({"train_step", "training_step", "forward_backward", "forward_backward_step"})
@@ -205,7 +206,7 @@ _Scope = ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.Module
 _Loop = ast.For | ast.AsyncFor | ast.While
 
 
-class AuditError(ValueError):
+class AuditError(UserError, ValueError):
     """A path or argument the audit cannot use; the message names it and the fix."""
 
 

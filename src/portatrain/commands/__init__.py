@@ -37,6 +37,7 @@ COMMANDS: dict[str, str] = {
     "render": "portatrain.commands.render",  # a SLURM/Kubernetes job for this config
     "submit": "portatrain.commands.submit",  # ... written to the run directory and submitted
     "kernels": "portatrain.commands.kernels",  # kernel overrides: list, parity check
+    "audit": "portatrain.commands.audit",  # static scan of code for what breaks off NVIDIA
 }
 """Command name -> module. ``dry_run=true`` runs ``plan`` whatever the command."""
 
