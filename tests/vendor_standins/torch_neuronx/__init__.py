@@ -5,8 +5,12 @@ page it was taken from (awsdocs-neuron.readthedocs-hosted.com, source in aws-neu
 Test knobs: ``STANDIN_NEURON_CORES`` (logical NeuronCores on the "instance", default 64 as on a
 trn2.48xlarge at LNC=2).
 
-Not reproduced: tensors on the device (``device=sim`` impersonating ``neuron`` does that), the
-``neuron`` compile backend, NKI, and autoload at ``import torch``.
+Two ways to stand in for the device itself: by default no tensors, ``torch.accelerator``
+answered from :mod:`_privateuse1` state (with an asynchronous allocator); with ``STANDIN_ON_SIM=1``
+portatrain's simulated device installed under the name ``neuron`` (real tensors and a process-group
+backend; its allocator is synchronous), with the visible cores as its device count.
+
+Not reproduced: the ``neuron`` compile backend, NKI, and autoload at ``import torch``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 import types
 
 import _privateuse1
+import torch
 import torch.distributed as dist
 
 
@@ -67,9 +72,27 @@ def _create_process_group(store, rank, size, timeout):  # noqa: ANN001
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
-_privateuse1.rename_privateuse1(STATE.device_type)
-_privateuse1.register_device_module("neuron", _make_device_module())
-_privateuse1.install(STATE)
-# torch/guides/torch-distributed: "import torch_neuronx  # Registers the Neuron device and
-# distributed backend", then dist.init_process_group(backend="neuron", ...).
-dist.Backend.register_backend("neuron", _create_process_group, devices=["neuron"])
+def _install_on_sim() -> None:
+    os.environ.setdefault("SIM_DEVICE_COUNT", str(STATE.count))
+    from portatrain.accelerators.sim import distributed as sim_distributed
+    from portatrain.accelerators.sim import runtime
+
+    neuron = runtime.install("neuron")
+    # The documented torch_neuronx.memory_* read the allocator (memory-profiling-guide).
+    globals()["memory_allocated"] = lambda: int(torch.accelerator.memory.memory_allocated())
+    globals()["memory_stats"] = lambda: torch.accelerator.memory.memory_stats()
+    del neuron.memory_allocated, neuron.memory_stats  # TorchNeuron documents them on torch_neuronx
+    plugin = dist.Backend._plugins.get(sim_distributed.BACKEND_NAME.upper())
+    if plugin is not None:  # the sim's process group, under TorchNeuron's name
+        dist.Backend.register_backend("neuron", plugin.creator_fn, devices=["neuron"])
+
+
+if os.environ.get("STANDIN_ON_SIM") == "1":
+    _install_on_sim()
+else:
+    _privateuse1.rename_privateuse1(STATE.device_type)
+    _privateuse1.register_device_module("neuron", _make_device_module())
+    _privateuse1.install(STATE)
+    # torch/guides/torch-distributed: "import torch_neuronx  # Registers the Neuron device and
+    # distributed backend", then dist.init_process_group(backend="neuron", ...).
+    dist.Backend.register_backend("neuron", _create_process_group, devices=["neuron"])

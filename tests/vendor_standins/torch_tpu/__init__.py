@@ -4,8 +4,14 @@ Reproduces what portatrain's TPU adapter depends on; each behaviour names the wh
 taken from. Test knobs: ``STANDIN_TPU_DEVICES`` (TPU PCI functions on the "host", default 4),
 ``STANDIN_TPU_NAME`` (what the PCI IDs decode to, default "TPU v6e").
 
-Not reproduced: tensors on the device (``device=sim`` impersonating ``tpu`` does that), the
-compiler, and autoload at ``import torch`` (the real package is an entry point
+Two ways to stand in for the device itself:
+
+- default: no tensors, ``torch.accelerator`` answered from :mod:`_privateuse1` state;
+- ``STANDIN_ON_SIM=1``: portatrain's simulated device installed under the name ``tpu`` gives real
+  tensors, allocator statistics and a process-group backend, and the TorchTPU behaviours below are
+  layered on top of it (one device per process: ``SIM_DEVICE_COUNT=1`` unless set).
+
+Not reproduced: the compiler, and autoload at ``import torch`` (the real package is an entry point
 ``[torch.backends] torch_tpu = torch_tpu._loader:load``; the adapter imports this one in ``load()``).
 """
 
@@ -26,9 +32,13 @@ _FRAMEWORK = ("torch", "torch_tpu")
 _STRICT = os.environ.get("TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS", "0") not in ("1", "true", "True")
 
 
+ON_SIM = os.environ.get("STANDIN_ON_SIM") == "1"
+_SIM = "portatrain.accelerators.sim"  # on the sim, it plays TorchTPU's runtime: its calls are "framework"
+
+
 def _from_framework(depth: int) -> bool:
     module = sys._getframe(depth).f_globals.get("__name__", "")
-    return module in _FRAMEWORK or module.startswith(("torch.", "torch_tpu."))
+    return module in _FRAMEWORK or module.startswith(("torch.", "torch_tpu.", _SIM))
 
 
 def _internal(prefer: str):
@@ -150,9 +160,52 @@ def _create_process_group(store, rank, size, timeout):  # noqa: ANN001
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
+_LEGACY_CLOSED = {  # _device_module.py: internal_or_experimental(prefer=...) from torch 2.11 (RNG: 2.13)
+    "device_count": "torch.accelerator.device_count",
+    "is_available": "torch.accelerator.is_available",
+    "synchronize": "torch.accelerator.synchronize",
+    "set_device": "torch.accelerator.set_device_index",
+    "current_device": "torch.accelerator.current_device_index",
+    "get_rng_state": "torch.accelerator.random.get_rng_state",
+}
+# public_api.py exports no memory function on torch.tpu.
+_NOT_EXPORTED = (
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "memory_stats",
+    "reset_peak_memory_stats",
+    "mem_get_info",
+)
+
+
+def _install_on_sim() -> None:
+    """The sim device named ``tpu`` (real tensors, torch.accelerator through its C++ hooks), with
+    TorchTPU's Python surface layered on its ``torch.tpu`` module."""
+    os.environ.setdefault("SIM_DEVICE_COUNT", "1")  # each worker sees one device, tpu:0
+    from portatrain.accelerators.sim import distributed as sim_distributed
+    from portatrain.accelerators.sim import runtime
+
+    tpu = runtime.install("tpu")
+    for name, prefer in _LEGACY_CLOSED.items():
+        setattr(tpu, name, _internal(prefer)(getattr(tpu, name)))
+    for name in _NOT_EXPORTED:
+        if hasattr(tpu, name):
+            delattr(tpu, name)
+    tpu.get_device_name = _experimental(lambda device=None: DEVICE_NAME)
+    tpu.get_device_name.__name__ = "get_device_name"
+    plugin = dist.Backend._plugins.get(sim_distributed.BACKEND_NAME.upper())
+    if plugin is not None:  # the sim's process group, under TorchTPU's names
+        for backend in ("tpu_dist", "tpu"):
+            dist.Backend.register_backend(backend, plugin.creator_fn, devices=["tpu"])
+
+
 # torch_tpu/_loader.py load(): `if hardware.get_tpu_device_count(): _init_device("tpu")`.
 # Without a TPU nothing is registered: torch.accelerator keeps reporting no accelerator.
-if HOST_DEVICES:
+if ON_SIM:
+    _install_on_sim()
+elif HOST_DEVICES:
     _privateuse1.rename_privateuse1(STATE.device_type)  # _loader.py rename_privateuse1_backend("tpu")
     _privateuse1.register_device_module("tpu", _make_public_module())
     _privateuse1.install(STATE)
