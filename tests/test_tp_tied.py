@@ -23,8 +23,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-pytestmark = pytest.mark.slow
-
 STEPS = 3
 ROWS, SEQ = 4, 16
 
@@ -155,6 +153,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case_id", sorted(CASES))
 def test_tensor_parallel_matches_one_process(case_id: str, tmp_path: Path) -> None:
     case = CASES[case_id]
@@ -178,3 +177,22 @@ def test_tensor_parallel_matches_one_process(case_id: str, tmp_path: Path) -> No
         grad = want["embed_grad"]
         half = grad.shape[0] // 2
         assert grad[half:].abs().sum() > 0 and grad[:half].abs().max() > grad[half:].abs().max()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["recipe=llama1b"], ["model=qwen3_0_6b"], ["model=qwen3_debug", "data.seq_len=64"]],
+    ids=["llama3-1b", "qwen3-0.6b", "qwen3-debug"],
+)
+def test_config_accepts_tied_models_under_tensor_parallel(
+    monkeypatch: pytest.MonkeyPatch, overrides: list[str]
+) -> None:
+    from portatrain.validate import validate
+    from tests.conftest import compose_config
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    from portatrain.models import model_args
+
+    cfg = compose_config([*overrides, "device=cpu", "parallel.dp_shard=2", "parallel.tp=2"])
+    assert model_args(cfg.model).tie_embeddings
+    validate(cfg)  # no "ties its output projection" refusal any more
