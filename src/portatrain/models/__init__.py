@@ -12,6 +12,8 @@ imported when first applied.
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import nn
 
 from portatrain.config import ModelConfig
@@ -78,16 +80,23 @@ def _resolve(model_cfg: ModelConfig, vocab_size: int | None):
         ]
     overrides = {key: getattr(model_cfg, key, None) for key in ARCH_OVERRIDES}
     overrides["vocab_size"] = model_cfg.vocab_size if model_cfg.vocab_size is not None else vocab_size
+    problems = []
     try:
         args = spec.args(model_cfg.flavor, **overrides)
-    except KeyError as exc:
+    except KeyError as exc:  # an unknown flavour: nothing to check the sizes against
         return None, [str(exc.args[0])]
-    except (ValueError, TypeError) as exc:  # an unsupported key, or a family that validates on construction
-        return None, [str(exc)]
+    except (ValueError, TypeError) as exc:  # an unsupported key: report it, check the others anyway
+        problems.append(str(exc))
+        fields = {f.name for f in dataclasses.fields(spec.args_cls)}
+        supported = {k: v for k, v in overrides.items() if k in spec.config_overrides or k in fields}
+        try:
+            args = spec.args(model_cfg.flavor, **supported)
+        except (ValueError, TypeError) as again:  # a family that validates on construction
+            return None, [*problems, str(again)]
     where = f"{model_cfg.name}/{model_cfg.flavor}"
     if any(v is not None for v in overrides.values()):
         where += " with the model.* overrides"
-    return args, [f"model {where}: {problem}" for problem in args.problems()]
+    return args, problems + [f"model {where}: {problem}" for problem in args.problems()]
 
 
 def build_model(model_cfg: ModelConfig, *, vocab_size: int | None = None) -> nn.Module:
