@@ -54,6 +54,8 @@ from portatrain.data.loader import batch_shapes, build_collator, build_dataloade
 from portatrain.data.tokenizer import build_tokenizer
 from portatrain.distributed import destroy_distributed, dist_info_from_env, init_distributed
 from portatrain.dtypes import dtype_from_name
+from portatrain.kernels import apply as apply_kernels
+from portatrain.kernels import resolve as resolve_kernels
 from portatrain.metrics import (
     MetricsLogger,
     memory_metrics,
@@ -120,6 +122,10 @@ class Trainer:
 
         with torch.device("meta"):
             model = self.build_model()
+        # Kernel overrides (kernels.enabled), resolved once and swapped into the model's op slots
+        # before parallelize, so compiled blocks trace each kernel as one custom op.
+        self.kernels = resolve_kernels(cfg.kernels.enabled, self.accelerator.device_type)
+        apply_kernels(model, self.kernels)
         self.model = self._materialize(self.parallelize(model))
         self.optimizer = build_optimizer(self.model, cfg.optim, fused=self.accelerator.fused_adamw)
         # Read here, not per step: a DictConfig attribute read costs ~10 us.

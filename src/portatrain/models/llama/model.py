@@ -9,6 +9,10 @@ What is here, top to bottom:
 * :class:`RMSNorm`, :class:`Attention` (grouped-query, through ``F.scaled_dot_product_attention`` only),
   :class:`FeedForward` (SwiGLU), :class:`TransformerBlock` and the full :class:`Llama`.
 
+RMSNorm, the SwiGLU activation and the RoPE rotation are called through module attributes
+(``rmsnorm_fn``, ``swiglu_fn``, ``rope_fn``) holding the pure-PyTorch references of
+``portatrain.kernels.reference``; ``portatrain.kernels.apply`` points them at opt-in kernels.
+
 Module and parameter names are those of Hugging Face's ``LlamaForCausalLM`` minus its ``model.``
 prefix (``layers.3.self_attn.q_proj.weight``...), and RoPE uses the same half-split rotation, so
 checkpoints map onto HF by renaming alone -- no q/k permutation (see ``hf.py``).
@@ -33,6 +37,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# The three small ops kernels may replace (``kernels.enabled``); modules call them through slots.
+from portatrain.kernels.reference import rmsnorm, rope, swiglu
 
 
 @dataclass(frozen=True)
@@ -279,7 +286,7 @@ def rope_tables(args: LlamaArgs, device: torch.device | None = None) -> tuple[to
     """cos and sin tables of shape ``[max_seq_len, head_dim]`` in fp32.
 
     HF layout: the ``head_dim/2`` angles are repeated (``cat(angles, angles)``), pairing channel
-    ``i`` with channel ``i + head_dim/2`` -- see :func:`apply_rope`. Meta's original code pairs
+    ``i`` with channel ``i + head_dim/2`` -- see ``portatrain.kernels.reference.rope``. Meta's original code pairs
     adjacent channels (2i, 2i+1) instead; HF permutes q/k weights on conversion so that its layout
     is equivalent, and we use HF's so its checkpoints load without any permutation.
     """
@@ -288,19 +295,6 @@ def rope_tables(args: LlamaArgs, device: torch.device | None = None) -> tuple[to
     angles = torch.outer(positions, inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` on the last dimension, split in halves."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each (i, i + head_dim/2) channel pair of ``x`` ``[B, H, S, head_dim]`` by its angle."""
-    # The tables are fp32; cast them to the activations' dtype like HF so bf16 runs stay bf16.
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + rotate_half(x) * sin
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,14 +309,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
+        self.rmsnorm_fn = rmsnorm  # F.rms_norm, unless a kernel override replaces it
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm is a single fused kernel on CPU and CUDA and decomposes elsewhere.
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.rmsnorm_fn(x, self.weight, self.eps)
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -358,6 +352,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.rope_fn = rope  # x * cos + rotate_half(x) * sin, unless a kernel override replaces it
 
     def init_weights(self, std: float, out_std: float) -> None:
         for linear in (self.q_proj, self.k_proj, self.v_proj):
@@ -373,7 +368,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rope_fn(q, cos, sin), self.rope_fn(k, cos, sin)
         n_rep = q.shape[1] // k.shape[1]
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         if attn_mask is None:
@@ -392,6 +387,7 @@ class FeedForward(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
         self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+        self.swiglu_fn = swiglu  # silu(gate) * up, unless a kernel override replaces it
 
     def init_weights(self, std: float, out_std: float) -> None:
         _trunc_normal_(self.gate_proj.weight, std)
@@ -399,7 +395,7 @@ class FeedForward(nn.Module):
         _trunc_normal_(self.down_proj.weight, out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.swiglu_fn(self.gate_proj(x), self.up_proj(x)))
 
 
 class TransformerBlock(nn.Module):
@@ -457,7 +453,7 @@ class Llama(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         # Derived from args, so kept out of checkpoints (non-persistent) and rebuilt by init_weights
-        # after to_empty(). fp32 even in bf16 runs; apply_rope casts at use.
+        # after to_empty(). fp32 even in bf16 runs; rope casts at use.
         cos, sin = rope_tables(args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
