@@ -136,11 +136,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Kept to two spawns for the suite's time budget: FSDP2 x TP of the tied Llama, and Qwen 3's q/k norms
+# inside compiled, checkpointed TP blocks. Qwen 3 under FSDP2 and FSDP2 x TP through the real CLI is
+# in test_qwen3_train.py.
 CASES = {
     "llama3-tied-fsdp2xtp2": {"name": "llama3", "tied": True, "tp": 2, "world": 4},
-    "qwen3-tied-tp2": {"name": "qwen3", "tied": True, "tp": 2, "world": 2},
-    "qwen3-tied-fsdp2xtp2": {"name": "qwen3", "tied": True, "tp": 2, "world": 4},
-    "qwen3-untied-tp2": {"name": "qwen3", "tied": False, "tp": 2, "world": 2},
     # q/k norms' DTensor redistributions inside compiled, selectively checkpointed blocks.
     "qwen3-tied-tp2-selective-compiled": {
         "name": "qwen3",
