@@ -21,6 +21,10 @@ the whole array) and a ~2 MiB per-buffer budget so double-buffered inputs and ou
 default scoped VMEM of every TPU generation. The row grid uses ``pl.cdiv``: Pallas masks the
 writes of the ragged last block, and the weight-gradient partials mask its rows explicitly.
 
+``block_rows`` (static) overrides the row tile; the tests use 8 to force several blocks and a
+ragged last one. Not yet run on a TPU: Mosaic lowering of these exact block shapes (notably
+``pltpu.roll`` on a 64-lane head_dim) is unverified; the TPU interpreter checks the semantics.
+
 Pallas API: ``jax.experimental.pallas`` (``pallas_call``, ``BlockSpec``, ``program_id``) and
 ``jax.experimental.pallas.tpu.roll``; see https://docs.jax.dev/en/latest/pallas/ .
 """
@@ -41,13 +45,14 @@ _BLOCK_BYTES = 2 * 1024 * 1024
 
 def _row_block(n_rows: int, row_elems: int, block_rows: int | None) -> int:
     """Rows per block: ``block_rows`` if given (a multiple of 8), else the whole array if it fits
-    the byte budget, else the largest multiple of 8 that does."""
+    the byte budget, else the largest multiple of 16 that does."""
     if block_rows is not None:
         if block_rows % 8:
             raise ValueError(f"block_rows={block_rows} must be a multiple of 8 (TPU sublane tiling)")
         rows = block_rows
     else:
-        rows = max(8, (_BLOCK_BYTES // (4 * row_elems)) // 8 * 8)
+        # Multiples of 16, not 8: bf16 packs two rows per sublane, so its native tile is (16, 128).
+        rows = max(16, (_BLOCK_BYTES // (4 * row_elems)) // 16 * 16)
     return n_rows if n_rows <= rows else rows
 
 
