@@ -259,3 +259,23 @@ def test_distributed_layouts_match_one_process(
     for got, want in zip(records, reference):
         assert got["loss"] == pytest.approx(want["loss"], abs=1e-5), (got, want)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (got, want)
+
+
+def test_qwen3_8b_recipe_differs_from_llama8b_only_in_the_model() -> None:
+    from omegaconf import OmegaConf
+
+    def flat(overrides: list[str]) -> dict:
+        cfg = OmegaConf.to_container(compose_config(overrides), resolve=False)
+
+        def walk(node, prefix=""):
+            if isinstance(node, dict):
+                for key, value in node.items():
+                    yield from walk(value, f"{prefix}{key}.")
+            else:
+                yield prefix.rstrip("."), node
+
+        return dict(walk(cfg))
+
+    qwen, llama = flat(["recipe=qwen3_8b"]), flat(["recipe=llama8b"])
+    assert {k for k in qwen.keys() | llama.keys() if qwen.get(k) != llama.get(k)} == {"recipe", "model.name"}
+    assert (qwen["model.name"], qwen["model.flavor"]) == ("qwen3", "8b")
