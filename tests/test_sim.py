@@ -247,10 +247,20 @@ def _train(
 
 def test_debug_recipe_on_sim_matches_cpu(tmp_path: Path) -> None:
     cpu = _train("cpu", tmp_path / "cpu")
-    # raise mode for mixed devices would stop the run; count mode + the metrics file is the check
     sim = _train("sim", tmp_path / "sim")
     assert len(cpu) == 2 and len(sim) == 2
     for (step_c, loss_c, gn_c), (step_s, loss_s, gn_s) in zip(cpu, sim):
         assert step_c == step_s
         assert loss_s == pytest.approx(loss_c, rel=1e-6, abs=1e-6)
         assert gn_s == pytest.approx(gn_c, rel=1e-5, abs=1e-6)
+
+
+def test_compiled_blocks_on_sim_match_cpu(tmp_path: Path) -> None:
+    """torch.compile per block with the adapter's backend (aot_eager): graphs traced on the device."""
+    extra = ("compile.enabled=true", "checkpoint.enabled=false")
+    cpu = _train("cpu", tmp_path / "cpu", "checkpoint.enabled=false")
+    sim = _train("sim", tmp_path / "sim", *extra)
+    for (step_c, loss_c, gn_c), (step_s, loss_s, gn_s) in zip(cpu, sim, strict=True):
+        assert step_c == step_s
+        assert loss_s == pytest.approx(loss_c, abs=1e-5)
+        assert gn_s == pytest.approx(gn_c, rel=1e-5)

@@ -21,7 +21,7 @@ from types import ModuleType
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("sim.cpp",)
+SOURCES = ("sim.cpp", "dist.cpp")
 
 _extension: ModuleType | None = None
 

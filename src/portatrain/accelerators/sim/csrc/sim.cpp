@@ -30,7 +30,6 @@
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/utils/pybind.h>
-#include <torch/extension.h>
 #include <torch/library.h>
 #include <unistd.h>
 
@@ -381,7 +380,7 @@ static void register_hooks() {
 // A CPU tensor over the same bytes. Its storage is resizable with the CPU allocator, so a CPU
 // kernel that grows an out= argument gets fresh CPU memory; sync_back copies that into the
 // device tensor afterwards.
-static at::Tensor cpu_alias(const at::Tensor& t) {
+at::Tensor cpu_alias(const at::Tensor& t) {
   const auto& st = t.storage();
   c10::Storage storage(c10::Storage::use_byte_size_t(), st.nbytes(),
                        c10::DataPtr(st.mutable_data(), c10::Device(c10::kCPU)),
@@ -740,8 +739,13 @@ TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) { m.fallback(torch::CppFunction::m
 // ------------------------------------------------------------------------------------------
 // Python bindings (private: portatrain.accelerators.sim wraps them)
 // ------------------------------------------------------------------------------------------
+namespace portatrain_sim {
+void bind_dist(pybind11::module& m);  // dist.cpp
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace portatrain_sim;
+  bind_dist(m);
   m.def("register_hooks", &register_hooks);
   m.def("device_count", [] { return static_cast<int>(g_device_count); });
   m.def("current_device", [] { return static_cast<int>(t_current_device); });
