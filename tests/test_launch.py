@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from portatrain.errors import ConfigError
-from portatrain.launch import render_job, training_overrides
+from portatrain.launch import job_overrides, render_job, training_overrides
 from tests.conftest import ROOT, TINY, compose_config, run_cli
 from tests.test_distributed import free_port
 
@@ -65,7 +65,8 @@ def test_sbatch_script_is_valid_bash_with_the_slurm_rendezvous(tmp_path: Path) -
         "--time=48:00:00",
     ):
         assert f"#SBATCH {directive}\n" in script
-    assert 'nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))\nhead_node=${nodes[0]}\n' in script
+    assert 'nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))\n' in script
+    assert 'head_node=$(scontrol show node "${nodes[0]}" | sed' in script  # its NodeAddr
     assert "srun --kill-on-bad-exit=1 torchrun" in script
     for arg in (
         '--nnodes="$SLURM_JOB_NUM_NODES"',
@@ -73,12 +74,20 @@ def test_sbatch_script_is_valid_bash_with_the_slurm_rendezvous(tmp_path: Path) -
         "--rdzv-backend=c10d",
         '--rdzv-endpoint="$head_node:29500"',
         '--rdzv-id="$SLURM_JOB_ID"',
+        "--shutdown-timeout=180",  # torchrun gives its workers the save grace
     ):
         assert f"    {arg} \\\n" in script
-    # The same command the user would type, minus the job-shape keys.
-    assert script.rstrip().endswith(
-        "-m portatrain recipe=llama70b device=cuda parallel.tp=8 trainer.steps=10 'optim.betas=[0.9,0.99]'"
-    )
+    # The same command the user would type, minus the job-shape keys, resuming by default.
+    assert (
+        "-m portatrain recipe=llama70b device=cuda parallel.tp=8 trainer.steps=10 'optim.betas=[0.9,0.99]' "
+        "checkpoint.resume=auto &\n"
+    ) in script
+    # Preemption: requeue, an early warning to the batch shell, which signals the step and requeues.
+    for directive in ("--requeue", "--signal=B:USR1@180", "--open-mode=append", f"--chdir={tmp_path}"):
+        assert f"#SBATCH {directive}\n" in script
+    assert "trap on_time_limit_warning USR1\n" in script
+    assert 'scancel --signal=TERM "$SLURM_JOB_ID"' in script
+    assert 'if ((time_limit_warning)); then\n    scontrol requeue "$SLURM_JOB_ID"\n' in script
     assert "dp_replicate=1 x dp_shard=8 x tp=8 = 64 devices" in script
 
 
@@ -185,19 +194,70 @@ def test_render_validates_the_layout_against_the_job_shape(tmp_path: Path) -> No
     assert "dp_shard(3) * tp(1) = 3 != world size 4; set parallel.dp_shard=4" in out.stderr
 
 
-def test_submit_writes_the_script_and_calls_sbatch(tmp_path: Path) -> None:
+def test_submit_prints_the_job_id_run_dir_and_log_and_leaves_only_the_jobs_run_dir(tmp_path: Path) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     _write_executable(
         bin_dir / "sbatch",
-        '#!/bin/bash\necho "$@" > "$(dirname "$0")/called"\necho "Submitted batch job 7"\n',
+        '#!/bin/bash\necho "$@" > "$(dirname "$0")/called"\ncat > "$(dirname "$0")/script"\necho "7"\n',
     )
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    out = run_cli(["submit", f"run_dir={tmp_path / 'run'}", "trainer.steps=3"], cwd=tmp_path, env=env)
+    out = run_cli(["submit", "trainer.steps=3"], cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr
-    assert "Submitted batch job 7" in out.stdout
-    assert (bin_dir / "called").read_text().strip() == str(tmp_path / "run" / "job.sbatch")
-    assert "trainer.steps=3" in (tmp_path / "run" / "job.sbatch").read_text()
+    run_dir = tmp_path / "runs" / "debug" / "7"  # the job's run directory: named after its id
+    assert out.stdout.splitlines() == [
+        "submitted job 7",
+        f"run directory: {run_dir}",
+        f"follow its log: tail -F {tmp_path / 'portatrain-debug-7.out'}",
+    ]
+    assert (bin_dir / "called").read_text().split() == ["--parsable"]  # the script comes on stdin
+    script = (bin_dir / "script").read_text()
+    assert "trainer.steps=3 checkpoint.resume=auto &" in script
+    assert (run_dir / "job.sbatch").read_text() == script
+    assert [p.name for p in (tmp_path / "runs" / "debug").iterdir()] == ["7"]  # no empty Hydra dir
+
+
+def test_submit_reports_a_rejection_with_the_schedulers_reason(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _write_executable(
+        bin_dir / "sbatch",
+        "#!/bin/bash\necho 'sbatch: error: Batch job submission failed: Invalid account or "
+        "account/partition combination specified' >&2\nexit 1\n",
+    )
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    out = run_cli(["submit", "parallel.launch.account=nope"], cwd=tmp_path, env=env)
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        "portatrain submit: error: the scheduler rejected the job (`sbatch --parsable` exited with 1): "
+        "Batch job submission failed: Invalid account or account/partition combination specified"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+def test_render_writes_nothing_but_the_job(tmp_path: Path) -> None:
+    out = run_cli(["render", "trainer.steps=3"], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("#!/bin/bash")
+    assert list(tmp_path.iterdir()) == []  # no empty run directory left behind
+    out = run_cli(["render", f"parallel.launch.output={tmp_path / 'job.sbatch'}"], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["job.sbatch"]
+
+
+def test_job_overrides_resume_by_default_unless_told_otherwise() -> None:
+    assert job_overrides(["trainer.steps=3", "parallel.launch.nodes=2"]) == [
+        "trainer.steps=3",
+        "checkpoint.resume=auto",
+    ]
+    assert job_overrides(["checkpoint.resume=runs/x/checkpoints/step_0000010"]) == [
+        "checkpoint.resume=runs/x/checkpoints/step_0000010"
+    ]
+    assert job_overrides([], run_dir="/mnt/runs/debug/j") == [
+        "checkpoint.resume=auto",
+        "run_dir=/mnt/runs/debug/j",
+    ]
+    assert job_overrides(["run_dir=/mine"], run_dir="/mnt/x") == ["run_dir=/mine", "checkpoint.resume=auto"]
 
 
 def test_submit_without_the_scheduler_cli_is_one_clear_error(tmp_path: Path) -> None:

@@ -1,18 +1,22 @@
 """Job submission: render the same ``portatrain ...`` command as a multi-host job for a scheduler.
 
 ``portatrain render [overrides]`` prints (or writes to ``parallel.launch.output``) a job for
-``parallel.launch.scheduler``; ``portatrain submit [overrides]`` writes it into the run directory and
-hands it to the scheduler's own CLI (``sbatch`` or ``kubectl apply -f``). Every host runs one
-``torchrun`` agent that starts ``procs_per_node`` workers, and the agents meet in a c10d rendezvous
-on the first host, keyed by an id all of them share (SLURM's job id, the Kubernetes job name) -- that
-id is also torchrun's ``TORCHELASTIC_RUN_ID``, so every rank writes to the same
-``runs/<recipe>/<id>/`` (``portatrain.config.run_id``).
+``parallel.launch.scheduler`` and writes nothing else; ``portatrain submit [overrides]`` hands it to
+the scheduler's own CLI (``sbatch``, ``kubectl create -f``) and prints the job's id, the run
+directory it will write and the command that follows its log. Every host runs one ``torchrun``
+agent that starts ``procs_per_node`` workers.
 
 * ``slurm`` -- an sbatch script: ``srun`` one ``torchrun`` per node, head node from
-  ``scontrol show hostnames $SLURM_JOB_NODELIST``, ``--rdzv-id=$SLURM_JOB_ID`` (``slurm.py``).
+  ``scontrol show hostnames $SLURM_JOB_NODELIST``, ``--rdzv-id=$SLURM_JOB_ID``, so every rank writes
+  to the same ``runs/<recipe>/<job id>/`` (``portatrain.config.run_id``) (``slurm.py``).
 * ``jobset`` -- a Kubernetes JobSet for a TPU slice on GKE (``kubernetes.py``).
 * ``pytorchjob`` -- a Kubeflow PyTorchJob for GPU (``device=cuda``) or Trainium (``device=neuron``)
   nodes (``kubernetes.py``).
+
+A scheduler-launched run continues after preemption: the job's command carries
+``checkpoint.resume=auto`` (unless the overrides name another ``checkpoint.resume``), and its run
+directory is the job's own (named after the SLURM job id or the Kubernetes job name), so a requeued
+or restarted job finds its own newest checkpoint and nothing else.
 
 The job's training command carries the user's overrides unchanged, minus the ``parallel.launch.*``
 ones that only shape the job. The layout (``dp_replicate x dp_shard x tp``) was validated against
@@ -21,6 +25,7 @@ ones that only shape the job. The layout (``dp_replicate x dp_shard x tp``) was 
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import subprocess
@@ -36,6 +41,24 @@ class SubmitError(ConfigError):
     """The scheduler's CLI is missing or refused the job (printed by the CLI without a traceback)."""
 
 
+# TODO(lead): these belong in ``portatrain.config.LaunchConfig`` (see the report); until they are
+# there, a config without them gets these values. ``launch_setting`` is the only reader.
+LAUNCH_DEFAULTS: dict[str, Any] = {
+    "save_grace": 180,
+    "max_restarts": 3,
+    "volume_claim": None,
+    "volume_mount": "/mnt/portatrain",
+    "cpu": "8",
+    "memory": "32Gi",
+    "efa": None,
+}
+
+
+def launch_setting(launch: Any, key: str) -> Any:
+    """``parallel.launch.<key>``, or its default while the schema does not define it yet."""
+    return getattr(launch, key, LAUNCH_DEFAULTS[key])
+
+
 @dataclass(frozen=True)
 class RenderedJob:
     text: str
@@ -44,10 +67,24 @@ class RenderedJob:
     """Default file name (``job.sbatch``, ``job.yaml``)."""
     submit_command: tuple[str, ...]
     """The scheduler CLI call that takes the file as its last argument."""
+    name: str = ""
+    """The job's name (Kubernetes: unique per rendering; the run directory follows it)."""
+    run_dir: str | None = None
+    """The run directory the job writes, where it is known before submission (Kubernetes)."""
+
+
+@dataclass(frozen=True)
+class SubmittedJob:
+    job_id: str
+    """The scheduler's id: SLURM's job id, the Kubernetes job name."""
+    run_dir: str
+    """The run directory the job writes (on storage every node sees)."""
+    follow: str
+    """A shell command that follows the job's log."""
 
 
 def job_name(cfg: Any) -> str:
-    """``parallel.launch.job_name`` or ``portatrain-<recipe>``, made DNS-safe for Kubernetes."""
+    """``parallel.launch.job_name`` or ``portatrain-<recipe>``, lower-case letters, digits and ``-``."""
     name = cfg.parallel.launch.job_name or f"portatrain-{cfg.recipe}"
     return "".join(c if c.isalnum() or c == "-" else "-" for c in name.lower()).strip("-")[:50]
 
@@ -64,14 +101,34 @@ def describe_job(cfg: Any) -> str:
     )
 
 
+def _key(override: str) -> str:
+    return override.lstrip("+~").partition("=")[0]
+
+
+def override_value(overrides: Sequence[str], key: str) -> str | None:
+    """The value the command line gives ``key`` (the last one wins, as in Hydra), else None."""
+    value = None
+    for override in overrides:
+        if _key(override) == key and "=" in override:
+            value = override.partition("=")[2]
+    return value
+
+
 def training_overrides(overrides: Sequence[str]) -> list[str]:
     """The overrides the training processes need: all but ``parallel.launch.*`` (job shape only)."""
-    kept = []
-    for override in overrides:
-        key = override.lstrip("+~").partition("=")[0]
-        if not key.startswith("parallel.launch."):
-            kept.append(override)
-    return kept
+    return [o for o in overrides if not _key(o).startswith("parallel.launch.")]
+
+
+def job_overrides(overrides: Sequence[str], *, run_dir: str | None = None) -> list[str]:
+    """The training command of a scheduler job: ``training_overrides`` plus ``checkpoint.resume=auto``
+    (a requeued or restarted job continues from its newest checkpoint; an explicit
+    ``checkpoint.resume`` wins) and, where given, the job's ``run_dir``."""
+    args = training_overrides(overrides)
+    if override_value(args, "checkpoint.resume") is None:
+        args.append("checkpoint.resume=auto")
+    if run_dir is not None and override_value(args, "run_dir") is None:
+        args.append(f"run_dir={run_dir}")
+    return args
 
 
 def torchrun_args(*, nnodes: int | str, nproc_per_node: int, rdzv_endpoint: str, rdzv_id: str) -> list[str]:
@@ -90,9 +147,16 @@ def launch_problems(cfg: Any) -> list[str]:
     from portatrain.launch import kubernetes
 
     launch = cfg.parallel.launch
+    found = []
+    grace = launch_setting(launch, "save_grace")
+    if not isinstance(grace, int) or grace < 1:
+        found.append(
+            f"parallel.launch.save_grace={grace!r} must be a whole number of seconds >= 1 (the time a "
+            "checkpoint save needs; e.g. parallel.launch.save_grace=180)"
+        )
     if launch.scheduler in ("jobset", "pytorchjob"):
-        return kubernetes.problems(cfg)
-    return []
+        found += kubernetes.problems(cfg)
+    return found
 
 
 def render_job(cfg: Any, overrides: Sequence[str]) -> RenderedJob:
@@ -102,18 +166,37 @@ def render_job(cfg: Any, overrides: Sequence[str]) -> RenderedJob:
     problems = launch_problems(cfg)
     if problems:
         raise ConfigError("cannot render the job:\n  - " + "\n  - ".join(problems))
-    args = training_overrides(overrides)
     scheduler = cfg.parallel.launch.scheduler
     if scheduler == "slurm":
-        return RenderedJob(slurm.render_sbatch(cfg, args), "job.sbatch", ("sbatch",))
-    if scheduler == "jobset":
-        return RenderedJob(kubernetes.render_jobset(cfg, args), "job.yaml", ("kubectl", "apply", "-f"))
-    return RenderedJob(kubernetes.render_pytorchjob(cfg, args), "job.yaml", ("kubectl", "apply", "-f"))
+        text = slurm.render_sbatch(cfg, job_overrides(overrides))
+        return RenderedJob(text, "job.sbatch", ("sbatch",), name=job_name(cfg))
+    return kubernetes.render(cfg, overrides)
+
+
+def _discard_empty_run_dir(cfg: Any, overrides: Sequence[str]) -> None:
+    """Remove the run directory the CLI created for this command if it stayed empty.
+
+    ``render`` and ``submit`` do not train, and the job names its own run directory; the CLI made
+    ``cfg.run_dir`` (Hydra's output directory) before any command ran. Only empty directories go,
+    and only when the user did not name ``run_dir`` (then it is theirs).
+    """
+    if override_value(overrides, "run_dir") is not None or not cfg.run_dir:
+        return
+    folder = Path(cfg.run_dir).resolve()
+    stop = Path.cwd().resolve()
+    # Hydra's default is runs/<recipe>/<run id>: remove upwards while empty, never above the cwd.
+    while folder != stop and stop in folder.parents:
+        try:
+            folder.rmdir()  # only succeeds when empty
+        except OSError:
+            return
+        folder = folder.parent
 
 
 def render_command(cfg: Any, overrides: Sequence[str]) -> None:
-    """``portatrain render``: print the job, or write it to ``parallel.launch.output``."""
+    """``portatrain render``: print the job, or write it to ``parallel.launch.output``; nothing else."""
     job = render_job(cfg, overrides)
+    _discard_empty_run_dir(cfg, overrides)
     if cfg.parallel.launch.output:
         path = Path(cfg.parallel.launch.output)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,36 +206,91 @@ def render_command(cfg: Any, overrides: Sequence[str]) -> None:
         print(job.text, end="")
 
 
-def submit_command(cfg: Any, overrides: Sequence[str]) -> Path:
-    """``portatrain submit``: write the job (``parallel.launch.output`` or ``<run_dir>/<file>``) and
-    hand it to the scheduler's CLI, which must be on ``PATH``."""
-    job = render_job(cfg, overrides)
-    tool = job.submit_command[0]
+def _scheduler_cli(cfg: Any, tool: str) -> None:
     if shutil.which(tool) is None:
         raise SubmitError(
             f"parallel.launch.scheduler={cfg.parallel.launch.scheduler} submits with `{tool}`, which is not "
             f"on PATH here; run `portatrain render` instead and submit the file where `{tool}` is installed"
         )
-    path = Path(cfg.parallel.launch.output or Path(cfg.run_dir) / job.filename)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(job.text)
-    argv = [*job.submit_command, str(path)]
-    print(f"wrote {path}\n$ {shlex.join(argv)}", flush=True)
-    result = subprocess.run(argv, text=True, capture_output=True)
-    print(result.stdout, end="")
+
+
+def submit_command(cfg: Any, overrides: Sequence[str]) -> SubmittedJob:
+    """``portatrain submit``: hand the job to the scheduler's CLI (which must be on ``PATH``), then
+    print the job id, the run directory the job will write and the command that follows its log.
+
+    The job file is written to ``parallel.launch.output`` when set, and always copied into the run
+    directory (``job.sbatch`` / ``job.yaml``) once that is known. A rejection by the scheduler is one
+    :class:`SubmitError` carrying the scheduler's reason.
+    """
+    job = render_job(cfg, overrides)
+    _scheduler_cli(cfg, job.submit_command[0])
+    _discard_empty_run_dir(cfg, overrides)
+    if cfg.parallel.launch.scheduler == "slurm":
+        submitted = _submit_slurm(cfg, overrides, job)
+    else:
+        from portatrain.launch import kubernetes
+
+        submitted = kubernetes.submit(cfg, job)
+    print(
+        f"submitted job {submitted.job_id}\n"
+        f"run directory: {submitted.run_dir}\n"
+        f"follow its log: {submitted.follow}",
+        flush=True,
+    )
+    return submitted
+
+
+def _run_scheduler(argv: list[str], *, text_input: str | None = None) -> subprocess.CompletedProcess:
+    result = subprocess.run(argv, input=text_input, text=True, capture_output=True)
     if result.returncode != 0:
+        from portatrain.launch.slurm import scheduler_reason
+
+        reason = scheduler_reason(result.stderr) if argv[0] == "sbatch" else result.stderr.strip()
         raise SubmitError(
-            f"`{shlex.join(argv)}` failed with exit code {result.returncode}: {result.stderr.strip()}"
+            f"the scheduler rejected the job (`{shlex.join(argv)}` exited with {result.returncode}): "
+            f"{reason or 'no reason given'}"
         )
-    return path
+    return result
+
+
+def _submit_slurm(cfg: Any, overrides: Sequence[str], job: RenderedJob) -> SubmittedJob:
+    from portatrain.launch.slurm import log_file, parse_job_id
+
+    argv = ["sbatch", "--parsable"]
+    if cfg.parallel.launch.output:
+        path = Path(cfg.parallel.launch.output)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(job.text)
+        result = _run_scheduler([*argv, str(path)])
+    else:  # sbatch reads the script from stdin; the copy in the run directory is the record
+        result = _run_scheduler(argv, text_input=job.text)
+    try:
+        job_id = parse_job_id(result.stdout)
+    except ValueError as exc:
+        raise SubmitError(f"sbatch accepted the job but {exc}") from None
+    # The job's run directory: run_dir when given, else runs/<recipe>/<run id> in the job's working
+    # directory (this one), the run id being PORTATRAIN_RUN_ID if exported, else the job id.
+    explicit = override_value(overrides, "run_dir")
+    run_id = os.environ.get("PORTATRAIN_RUN_ID") or job_id
+    run_dir = Path(explicit) if explicit else Path("runs") / cfg.recipe / run_id
+    run_dir = run_dir if run_dir.is_absolute() else Path.cwd() / run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / job.filename).write_text(job.text)
+    log = Path.cwd() / log_file(job.name).replace("%j", job_id)
+    return SubmittedJob(job_id, str(run_dir), f"tail -F {shlex.quote(str(log))}")
 
 
 __all__ = [
+    "LAUNCH_DEFAULTS",
     "RenderedJob",
     "SubmitError",
+    "SubmittedJob",
     "describe_job",
     "job_name",
+    "job_overrides",
     "launch_problems",
+    "launch_setting",
+    "override_value",
     "render_command",
     "render_job",
     "submit_command",

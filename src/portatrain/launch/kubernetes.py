@@ -207,3 +207,15 @@ def _dump(manifest: dict[str, Any], cfg: Any, kind: str) -> str:
         "# Rendered by `portatrain render`; submit with `kubectl apply -f FILE`.\n"
     )
     return header + yaml.dump(manifest, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
+
+
+def render(cfg: Any, overrides: Sequence[str]) -> Any:
+    """The JobSet or PyTorchJob for ``cfg`` (``parallel.launch.scheduler``)."""
+    from portatrain.launch import RenderedJob, job_overrides
+
+    args = job_overrides(overrides)
+    if cfg.parallel.launch.scheduler == "jobset":
+        text = render_jobset(cfg, args)
+    else:
+        text = render_pytorchjob(cfg, args)
+    return RenderedJob(text, "job.yaml", ("kubectl", "apply", "-f"), name=job_name(cfg))
