@@ -262,3 +262,11 @@ def test_debug_recipe_with_pallas_kernels_matches_reference_losses(
     # The weights moved the same way (the kernels are not bit-identical to the references, but close).
     for name, p in params.items():
         torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.skipif(getattr(torch, "tpu", None) is not None, reason="torch.tpu is loaded: the bridge exists")
+def test_tpu_bridge_without_torch_tpu_says_what_is_missing() -> None:
+    from portatrain.kernels.pallas.bridge import build
+
+    with pytest.raises(RuntimeError, match=r"torch\.tpu\.pallas bridge \(torch_tpu on a TPU host\)"):
+        build("rmsnorm", "tpu")
