@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from portatrain.accelerators.cpu import CPUAccelerator
 from portatrain.bench import cost_per_million_tokens, percentile, plot_step_times, run_bench
 from portatrain.errors import ConfigError
 from portatrain.trainer import Trainer
 from tests.conftest import TINY, compose_config, run_cli
+from tests.helpers import CountingCPU
 
 BENCH = ["bench.warmup_steps=2", "bench.steps=5"]
 FIELDS = {
@@ -42,21 +42,12 @@ def test_percentile_and_cost() -> None:
     assert cost_per_million_tokens(None, 1000.0) is None
 
 
-class _CountingCPU(CPUAccelerator):
-    def __init__(self, index: int = 0) -> None:
-        super().__init__(index)
-        self.syncs = 0
-
-    def synchronize(self) -> None:
-        self.syncs += 1
-
-
 def test_bench_in_process_syncs_every_step_and_separates_cold_start(tmp_path: Path) -> None:
-    made: list[_CountingCPU] = []
+    made: list[CountingCPU] = []
 
     class CountingTrainer(Trainer):
         def __init__(self, cfg, accelerator=None):
-            made.append(_CountingCPU())
+            made.append(CountingCPU())
             super().__init__(cfg, accelerator=made[-1])
 
     cfg = compose_config(TINY + BENCH + ["bench.price_per_hour=2.0"], run_dir=tmp_path)

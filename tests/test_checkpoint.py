@@ -24,19 +24,9 @@ from portatrain.checkpoint import (
 )
 from portatrain.trainer import Trainer
 from tests.conftest import TINY, compose_config
+from tests.helpers import fit, make_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _trainer(overrides: list[str], run_dir: Path) -> Trainer:
-    return Trainer(compose_config(TINY + overrides, run_dir=run_dir))
-
-
-def _fit(overrides: list[str], run_dir: Path) -> Trainer:
-    trainer = _trainer(overrides, run_dir)
-    trainer.fit()
-    trainer.close()
-    return trainer
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
@@ -52,7 +42,7 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
 def saved_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One 4-step run saving every step and keeping 2: shared, read-only, by the tests below."""
     run_dir = tmp_path_factory.mktemp("saved") / "run"
-    _fit(["checkpoint.every=1", "checkpoint.keep=2"], run_dir)
+    fit(["checkpoint.every=1", "checkpoint.keep=2"], run_dir)
     return run_dir
 
 
@@ -86,7 +76,7 @@ def test_layout_keep_last_k_and_only_tensors_in_dcp(saved_run: Path) -> None:
 def test_new_run_in_a_used_run_dir_fails_before_touching_it(saved_run: Path) -> None:
     before = _snapshot(saved_run)
     with pytest.raises(CheckpointError) as info:
-        _trainer([], saved_run)
+        make_trainer([], saved_run)
     message = str(info.value)
     assert str(saved_run) in message and "checkpoint.resume=auto" in message and "run_dir=" in message
     assert _snapshot(saved_run) == before
@@ -139,7 +129,7 @@ def test_bad_checkpoint_is_one_clear_error_and_nothing_is_overwritten(
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
     before = _snapshot(tmp_path)
     with pytest.raises(CheckpointError) as info:
-        _trainer(overrides + [f"checkpoint.resume={ckpt}"], run_dir)
+        make_trainer(overrides + [f"checkpoint.resume={ckpt}"], run_dir)
     assert expected in str(info.value)
     assert _snapshot(tmp_path) == before  # nothing written: no config.yaml, no metrics line
 
@@ -159,7 +149,7 @@ def test_crash_during_save_leaves_previous_checkpoint_loadable(
 
     monkeypatch.setattr(FileSystemWriter, "finish", finish)
     with pytest.raises(BaseException) as info:  # DCP's CheckpointException is a BaseException
-        _fit(["checkpoint.every=2"], tmp_path)
+        fit(["checkpoint.every=2"], tmp_path)
     assert "disk full (simulated)" in "".join(traceback.format_exception(info.value))
     monkeypatch.undo()
     folder = tmp_path / "checkpoints"
@@ -168,7 +158,7 @@ def test_crash_during_save_leaves_previous_checkpoint_loadable(
     assert list(tmp.glob("*.distcp")) and not (tmp / ".metadata").exists()
     assert resolve_resume("auto", folder) == folder / "step_0000002"
 
-    resumed = _fit(["checkpoint.every=2", "checkpoint.resume=auto"], tmp_path)
+    resumed = fit(["checkpoint.every=2", "checkpoint.resume=auto"], tmp_path)
     assert resumed.step == 4
     assert [p.name for p in complete_checkpoints(folder)] == ["step_0000002", "step_0000004"]
     assert not tmp.exists()  # the next save swept the unfinished one
@@ -245,7 +235,7 @@ def test_rng_state_round_trips(saved_run: Path, tmp_path: Path) -> None:
     saved = {"rng": {"rank0": {"cpu": torch.get_rng_state()}}}
     load(saved, checkpoint_id=str(ckpt))
     torch.manual_seed(0)
-    trainer = _trainer([f"checkpoint.resume={ckpt}"], tmp_path)
+    trainer = make_trainer([f"checkpoint.resume={ckpt}"], tmp_path)
     assert torch.equal(torch.get_rng_state(), saved["rng"]["rank0"]["cpu"])
     assert trainer.step == 4
     trainer.close()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY, run_cli
+from tests.helpers import read_metrics
 
 VENDOR_MODULES = ("torch_tpu", "torch_neuronx", "torch_xla", "jax")
 
@@ -85,12 +86,15 @@ def test_cfg_job_prints_resolved_config(tmp_path: Path) -> None:
 def test_help_lists_config_groups(tmp_path: Path) -> None:
     out = run_cli(["--help"], cwd=tmp_path, timeout=60)
     assert out.returncode == 0, out.stderr
-    for group in (
-        "recipe: debug, llama1b, llama70b, llama8b",
-        "device: auto, cpu, cuda, mps, neuron, tpu",
-        "model:",
+    groups = out.stdout.split("== Config ==")[0]
+    lines = {line.split(":")[0].strip(): line for line in groups.splitlines() if ":" in line}
+    for group, options in (
+        ("recipe", ("debug", "llama1b", "llama70b", "llama8b")),
+        ("device", ("auto", "cpu", "cuda", "mps", "neuron", "tpu")),
+        ("model", ("llama3_debug", "llama3_8b")),
     ):
-        assert group in out.stdout
+        listed = lines[group].split(":", 1)[1].replace(" ", "").split(",")
+        assert set(options) <= set(listed), (group, listed)
 
 
 def test_misspelled_key_is_an_error(tmp_path: Path) -> None:
@@ -133,7 +137,7 @@ def test_default_run_learns_and_writes_artifacts(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     (run_dir,) = list((tmp_path / "runs" / "debug").iterdir())
     assert "recipe: debug" in (run_dir / "config.yaml").read_text()
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)
     losses = [r["loss"] for r in records if "loss" in r]
     assert losses[0] > 4.0 and losses[-1] < losses[0] - 2.5, losses
     assert any("eval_loss" in r for r in records)

@@ -7,7 +7,6 @@ default, to check that compiled blocks train exactly like eager ones.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from portatrain.errors import UserError
 from portatrain.models import build_model
 from portatrain.trainer import Trainer
 from tests.conftest import TINY, compose_config
+from tests.helpers import fit, read_metrics
 
 BUCKETS = [
     "data.collator=bucket",
@@ -43,17 +43,10 @@ def fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _fit(overrides: list[str], run_dir: Path, trainer_cls: type[Trainer] = Trainer) -> list[dict]:
-    trainer = trainer_cls(compose_config(TINY + overrides, run_dir=run_dir))
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
-    return _records(run_dir)
+    """Fit, then every metrics record."""
+    fit(overrides, run_dir, trainer_cls)
+    return read_metrics(run_dir)
 
 
 def _losses(records: list[dict]) -> list[float]:
@@ -86,9 +79,7 @@ def test_warmup_batches_cover_every_shape_with_valid_labels(collator: str) -> No
     data_cfg = compose_config(TINY + [f"data.collator={collator}", "data.buckets=[16,32,64]"]).data
     rng = torch.get_rng_state()
     collate = build_collator(data_cfg, pad_id=257)
-    batches = warmup_batches(
-        collate, batch_shapes(data_cfg), packed=collator == "packing", vocab_size=258
-    )
+    batches = warmup_batches(collate, batch_shapes(data_cfg), packed=collator == "packing", vocab_size=258)
     assert torch.equal(torch.get_rng_state(), rng)
     assert [tuple(b["input_ids"].shape) for b in batches] == batch_shapes(data_cfg)
     for batch in batches:

@@ -9,7 +9,6 @@ dp degree), so the losses agree to fp32 rounding. Tiny model, five steps: each r
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -20,17 +19,13 @@ import pytest
 
 from portatrain.trainer import Trainer
 from tests.conftest import ROOT, TINY, compose_config
+from tests.helpers import train_records
 
 pytestmark = pytest.mark.slow
 
 STEPS = 5
 COMMON = [*TINY, f"trainer.steps={STEPS}"]
 GLOBAL_BATCH = 8
-
-
-def _records(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "loss" in r]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +37,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     )
     trainer.fit()
     trainer.close()
-    return _records(run_dir)
+    return train_records(run_dir)
 
 
 def _env() -> dict[str, str]:
@@ -78,7 +73,7 @@ def test_fsdp2_two_processes_match_one_and_write_once(tmp_path: Path, reference:
     )
     assert out.returncode == 0, _failure(out)
     (run_dir,) = (tmp_path / "runs" / "debug").iterdir()  # both ranks resolved the same directory
-    _assert_matches(_records(run_dir), reference)
+    _assert_matches(train_records(run_dir), reference)
     assert (run_dir / "config.yaml").is_file()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{STEPS:07d}"]
     rank0, rank1 = (
@@ -112,7 +107,7 @@ def test_layouts_match_one_process(
         cwd=tmp_path,
     )
     assert out.returncode == 0, _failure(out)
-    _assert_matches(_records(tmp_path / "run"), reference)
+    _assert_matches(train_records(tmp_path / "run"), reference)
 
 
 def test_compiled_blocks_with_tp_and_selective_checkpointing_match(
@@ -136,7 +131,7 @@ def test_compiled_blocks_with_tp_and_selective_checkpointing_match(
         cwd=tmp_path,
     )
     assert out.returncode == 0, _failure(out)
-    _assert_matches(_records(tmp_path / "run"), reference[:2], steps=2)
+    _assert_matches(train_records(tmp_path / "run"), reference[:2], steps=2)
 
 
 def free_port() -> int:
@@ -167,4 +162,4 @@ def test_two_torchrun_agents_as_two_nodes(tmp_path: Path, reference: list[dict])
     assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     # The rendezvous id is the run id on both nodes: one directory, written by global rank 0.
     assert [p.name for p in (tmp_path / "runs" / "debug").iterdir()] == ["twonodes"]
-    _assert_matches(_records(tmp_path / "runs" / "debug" / "twonodes"), reference)
+    _assert_matches(train_records(tmp_path / "runs" / "debug" / "twonodes"), reference)

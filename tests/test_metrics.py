@@ -14,6 +14,7 @@ from portatrain.metrics import memory_high_water, model_flops, resolve_peak_flop
 from portatrain.models.llama.model import LLAMA3_FLAVORS
 from portatrain.trainer import Trainer
 from tests.conftest import TINY, compose_config
+from tests.helpers import CountingCPU, read_metrics
 
 TRAIN_FIELDS = {
     "step",
@@ -28,10 +29,6 @@ TRAIN_FIELDS = {
     "mfu",
     "memory_peak_bytes",
 }
-
-
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 # -- FLOPs and MFU arithmetic --------------------------------------------------------------------
@@ -118,20 +115,6 @@ def test_cpu_peak_is_measured_once_and_override_wins() -> None:
 
 
 # -- the Trainer's records -----------------------------------------------------------------------
-class _CountingCPU(CPUAccelerator):
-    def __init__(self, index: int = 0) -> None:
-        super().__init__(index)
-        self.syncs = 0
-        self.memory_reads = 0
-
-    def synchronize(self) -> None:
-        self.syncs += 1
-
-    def memory_stats(self) -> dict[str, int]:
-        self.memory_reads += 1
-        return super().memory_stats()
-
-
 def test_jsonl_records_have_the_fields_and_count_real_tokens(tmp_path: Path) -> None:
     """Padded batches (pad_to_max): tokens are label positions, FLOPs follow; syncs only at log steps."""
     seen: list[dict] = []
@@ -140,13 +123,13 @@ def test_jsonl_records_have_the_fields_and_count_real_tokens(tmp_path: Path) -> 
         def on_step_end(self, step: int, metrics: dict) -> None:
             seen.append({"tokens": metrics["tokens"], "flops": metrics["flops"]})
 
-    accelerator = _CountingCPU()
+    accelerator = CountingCPU()
     cfg = compose_config(TINY + ["data.collator=pad_to_max", "trainer.log_every=2"], run_dir=tmp_path)
     trainer = Recording(cfg, accelerator=accelerator)
     trainer.fit()
     trainer.close()
 
-    records = _records(tmp_path)
+    records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [2, 4]
     for record in records:
         assert record.keys() >= TRAIN_FIELDS

@@ -21,29 +21,17 @@ import pytest
 from portatrain.checkpoint import complete_checkpoints, read_trainer_state
 from portatrain.trainer import Trainer
 from tests.conftest import ROOT, TINY, compose_config
+from tests.helpers import fit as fit_tiny
+from tests.helpers import step_losses
 
 STEPS = 8
 RUN = TINY + [f"trainer.steps={STEPS}"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
-def step_losses(run_dir: Path) -> dict[int, float]:
-    """Loss of each step in ``metrics.jsonl``; a step logged twice (before and after a resume) keeps the last."""
-    losses = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            losses[record["step"]] = record["loss"]
-    return losses
-
-
 def fit(overrides: list[str], run_dir: Path, trainer_cls: type[Trainer] = Trainer) -> Trainer:
-    trainer = trainer_cls(compose_config(RUN + overrides, run_dir=run_dir))
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
-    return trainer
+    """Fit ``STEPS`` steps of the tiny config."""
+    return fit_tiny([f"trainer.steps={STEPS}", *overrides], run_dir, trainer_cls)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ process to fp32 reduction-order rounding. Both runs start from the same Hugging 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -21,17 +20,13 @@ import pytest
 from portatrain.checkpoint import CheckpointError, complete_checkpoints, read_trainer_state
 from portatrain.trainer import Trainer
 from tests.conftest import ROOT, TINY, compose_config
+from tests.helpers import step_losses
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 STEPS, STOP = 8, 4
 RUN = [*TINY, f"trainer.steps={STEPS}"]
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +51,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, hf_dir: Path) -> dict[in
     )
     trainer.fit()
     trainer.close()
-    return _losses(run_dir)
+    return step_losses(run_dir)
 
 
 class StopAt(Trainer):
@@ -131,7 +126,7 @@ def test_two_fsdp2_ranks_save_one_rank_resumes(tmp_path: Path, hf_dir: Path, ref
     assert trainer.step == STOP
     trainer.fit()
     trainer.close()
-    _assert_close(_losses(run_dir), reference)
+    _assert_close(step_losses(run_dir), reference)
 
 
 def test_one_rank_saves_two_fsdp2_ranks_resume(tmp_path: Path, hf_dir: Path, reference: dict) -> None:
@@ -146,5 +141,5 @@ def test_one_rank_saves_two_fsdp2_ranks_resume(tmp_path: Path, hf_dir: Path, ref
         tmp_path,
         stop=False,
     )
-    _assert_close(_losses(run_dir), reference)
+    _assert_close(step_losses(run_dir), reference)
     assert read_trainer_state(complete_checkpoints(run_dir / "checkpoints")[-1])["world_size"] == 2

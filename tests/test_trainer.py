@@ -3,57 +3,40 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from portatrain.trainer import Trainer
-from tests.conftest import TINY, compose_config
+from tests.helpers import fit, losses
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _losses(run_dir: Path) -> list[float]:
-    return [
-        json.loads(line)["loss"]
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-        if '"loss"' in line
-    ]
-
-
-def _fit(overrides: list[str], run_dir: Path, trainer_cls: type[Trainer] = Trainer) -> Trainer:
-    trainer = trainer_cls(compose_config(TINY + overrides, run_dir=run_dir))
-    trainer.fit()
-    trainer.close()
-    return trainer
-
-
 def test_run_writes_config_metrics_checkpoint(tmp_path: Path) -> None:
-    _fit([], tmp_path)
+    fit([], tmp_path)
     assert "flavor: debug" in (tmp_path / "config.yaml").read_text()
-    assert len(_losses(tmp_path)) == 4
+    assert len(losses(tmp_path)) == 4
     assert (tmp_path / "checkpoints" / "step_0000004" / ".metadata").is_file()
 
 
 def test_same_seed_same_losses_other_seed_differs(tmp_path: Path) -> None:
-    a = _losses(_fit([], tmp_path / "a").run_dir)
-    b = _losses(_fit([], tmp_path / "b").run_dir)
-    c = _losses(_fit(["trainer.seed=7"], tmp_path / "c").run_dir)
+    a = losses(fit([], tmp_path / "a").run_dir)
+    b = losses(fit([], tmp_path / "b").run_dir)
+    c = losses(fit(["trainer.seed=7"], tmp_path / "c").run_dir)
     assert a == b
     assert a != c
 
 
 def test_grad_accumulation_matches_the_large_batch(tmp_path: Path) -> None:
     """4 rows x 2 micro-batches == 8 rows x 1 (same rows, normalized by the step's token count)."""
-    big = _losses(
-        _fit(
+    big = losses(
+        fit(
             ["data.batch_size=8", "trainer.grad_accum=1", "data.sampler=sequential"], tmp_path / "big"
         ).run_dir
     )
-    acc = _losses(
-        _fit(
+    acc = losses(
+        fit(
             ["data.batch_size=4", "trainer.grad_accum=2", "data.sampler=sequential"], tmp_path / "acc"
         ).run_dir
     )
@@ -77,12 +60,12 @@ def test_subclass_hooks_custom_loss(tmp_path: Path) -> None:
         def on_eval_end(self, step: int, metrics: dict[str, float]) -> None:
             self.evals.append(metrics["eval_loss"])
 
-    trainer = _fit(["trainer.eval_every=2", "data.eval_fraction=0.2"], tmp_path / "z", Recording)
-    plain = _fit([], tmp_path / "plain")
+    trainer = fit(["trainer.eval_every=2", "data.eval_fraction=0.2"], tmp_path / "z", Recording)
+    plain = fit([], tmp_path / "plain")
     assert trainer.steps_seen == [1, 2, 3, 4]
     assert len(trainer.evals) == 2
     # logsumexp^2 of a 258-way softmax at init is ~ log(258)^2 = 30.8 per token.
-    assert _losses(trainer.run_dir)[0] > _losses(plain.run_dir)[0] + 20
+    assert losses(trainer.run_dir)[0] > losses(plain.run_dir)[0] + 20
 
 
 def test_lr_schedule_warmup_then_cosine() -> None:

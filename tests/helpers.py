@@ -1,0 +1,115 @@
+"""Helpers shared by the test suite: configs composed as the CLI composes them, a fresh-process CLI
+runner, fitting a Trainer, reading ``metrics.jsonl``, and a CPU adapter that counts host syncs.
+
+``tests/conftest.py`` re-exports the config helpers, so ``from tests.conftest import TINY`` keeps
+working; new tests import from here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, open_dict
+
+from portatrain.accelerators.cpu import CPUAccelerator
+from portatrain.cli import config_dir
+from portatrain.config import register_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Small enough that a few steps take a fraction of a second on one core.
+TINY = [
+    "device=cpu",
+    "data.num_documents=200",
+    "data.seq_len=64",
+    "data.batch_size=4",
+    "trainer.steps=4",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "trainer.progress=false",
+    "optim.warmup_steps=2",
+]
+
+
+def compose_config(overrides: list[str], run_dir: Path | None = None) -> DictConfig:
+    """The config ``portatrain OVERRIDES...`` would run with (``run_dir`` set when given)."""
+    register_configs()
+    with initialize_config_dir(config_dir=config_dir(), version_base=None):
+        cfg = compose("config", overrides=overrides)
+    if run_dir is not None:
+        with open_dict(cfg):
+            cfg.run_dir = str(run_dir)
+    return cfg
+
+
+def run_cli(
+    args: list[str], *, cwd: Path, timeout: float = 300, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``python -m portatrain ARGS`` in a fresh process."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "portatrain", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def make_trainer(overrides: list[str], run_dir: Path, trainer_cls: type | None = None, **kwargs):
+    """A Trainer (or ``trainer_cls``) for ``TINY + overrides`` writing into ``run_dir``."""
+    from portatrain.trainer import Trainer
+
+    return (trainer_cls or Trainer)(compose_config(TINY + overrides, run_dir=run_dir), **kwargs)
+
+
+def fit(overrides: list[str], run_dir: Path, trainer_cls: type | None = None, **kwargs):
+    """Build a Trainer for ``TINY + overrides``, fit it, close it (also on failure) and return it."""
+    trainer = make_trainer(overrides, run_dir, trainer_cls, **kwargs)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return trainer
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """Every record of ``<run_dir>/metrics.jsonl``, in order."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_records(run_dir: Path) -> list[dict]:
+    """The training-step records (those with a ``loss``)."""
+    return [r for r in read_metrics(run_dir) if "loss" in r]
+
+
+def losses(run_dir: Path) -> list[float]:
+    """The logged training losses, in order."""
+    return [r["loss"] for r in train_records(run_dir)]
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    """Loss of each step; a step logged twice (before and after a resume) keeps the last."""
+    return {r["step"]: r["loss"] for r in train_records(run_dir)}
+
+
+class CountingCPU(CPUAccelerator):
+    """The CPU adapter, counting ``synchronize()`` calls and memory-statistics reads."""
+
+    def __init__(self, index: int = 0) -> None:
+        super().__init__(index)
+        self.syncs = 0
+        self.memory_reads = 0
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+
+    def memory_stats(self) -> dict[str, int]:
+        self.memory_reads += 1
+        return super().memory_stats()
