@@ -160,7 +160,8 @@ def config_problems(enabled: list[str] | tuple[str, ...], device_type: str) -> l
     """Every problem with ``kernels.enabled`` for a run on ``device_type``, each with its fix.
 
     ``device_type`` is the run's ``device.type`` after discovery; with ``"auto"`` (not yet
-    resolved) only the names are checked, and :func:`resolve` checks the backend at build time.
+    resolved) the backend check is left to :func:`resolve` at build time, the rest (names,
+    duplicates, installed packages) is checked here.
     """
     problems: list[str] = []
     chosen: dict[str, str] = {}
