@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from portatrain.errors import ConfigError
-from portatrain.validate import validate
 from portatrain.models import build_model
 from portatrain.parallel import ParallelDims, clip_grad_norm_
 from portatrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from portatrain.parallel.parallel_dims import expected_world_size, layout_problems
 from portatrain.plan import describe_plan
+from portatrain.validate import validate
 from tests.conftest import TINY, compose_config, run_cli
 
 
@@ -61,13 +61,6 @@ def test_validate_lists_layout_model_and_data_problems_together(monkeypatch: pyt
     assert "dp_replicate(1) * dp_shard(3) * tp(3) = 9 != world size 4; launch 9 processes" in message
     assert "parallel.tp=3 must divide n_heads(4) and n_kv_heads(2)" in message and "[1, 2]" in message
     assert "data.seq_len has row length(s) [100] not divisible by parallel.tp=3" in message
-
-
-def test_tied_embeddings_refuse_tensor_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    cfg = compose_config(["recipe=llama1b", "parallel.tp=2"])
-    with pytest.raises(ConfigError, match="ties its output projection to the embedding"):
-        validate(cfg)
 
 
 def test_cli_prints_the_layout_error_without_a_traceback(tmp_path: Path) -> None:

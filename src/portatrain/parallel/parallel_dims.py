@@ -190,9 +190,9 @@ def layout_problems(dp_replicate: int, dp_shard: int, tp: int, world_size: int) 
     return problems
 
 
-def model_problems(tp: int, n_heads: int, n_kv_heads: int, tie_embeddings: bool, where: str) -> list[str]:
-    """Reasons the model cannot be split ``tp`` ways: each rank must hold whole query and kv heads,
-    and a tied output projection (the embedding matrix used twice) is not tensor-parallel here.
+def model_problems(tp: int, n_heads: int, n_kv_heads: int, where: str) -> list[str]:
+    """Reasons the model cannot be split ``tp`` ways: each rank must hold whole query and kv heads.
+    (Tied embeddings are fine: the parallelizer shards the one matrix over the vocabulary for both uses.)
 
     ``where`` names the model in the message (e.g. ``flavour '8b'``).
     """
@@ -204,11 +204,6 @@ def model_problems(tp: int, n_heads: int, n_kv_heads: int, tie_embeddings: bool,
         problems.append(
             f"parallel.tp={tp} must divide n_heads({n_heads}) and n_kv_heads({n_kv_heads}) of {where} "
             f"(each rank holds whole heads); choose parallel.tp in {divisors}"
-        )
-    if tie_embeddings:  # TODO(issue 9 item 6): drop once the parallelizers split tied embeddings
-        problems.append(
-            f"{where} ties its output projection to the embedding, which tensor parallel does "
-            "not split here; set parallel.tp=1 (FSDP still shards the matrix over dp_shard)"
         )
     return problems
 
@@ -278,7 +273,7 @@ def parallel_problems(
     if par.tp > 1:
         if model_args is not None:
             a = model_args
-            problems += model_problems(par.tp, a.n_heads, a.n_kv_heads, a.tie_embeddings, model_name)
+            problems += model_problems(par.tp, a.n_heads, a.n_kv_heads, model_name)
         uneven = [n for n in row_lengths if n % par.tp]
         if uneven:
             problems.append(
