@@ -66,11 +66,33 @@ class ModelConfig:
 
 
 @dataclass
+class MixEntry:
+    dataset: str = MISSING
+    """A ``data.dataset`` source (not a prepared corpus)."""
+    weight: float = 1.0
+    """Share of the mix, relative to the other entries' weights."""
+
+
+@dataclass
 class DataConfig:
     dataset: str = "builtin"
-    """``builtin`` (the bundled generated corpus) or a path to a ``.txt``/``.jsonl`` file of documents."""
+    """``builtin`` (the bundled generated corpus); a corpus written by ``portatrain prepare`` (streamed
+    from memory maps); or, read whole into memory, a local ``.jsonl``/``.json``/``.parquet``/``.arrow``/
+    ``.txt`` file, a directory or glob of them, or ``hf:NAME?split=train`` (Hugging Face ``datasets``)."""
     tokenizer: str = "byte"
-    """Tokenizer name; ``byte`` needs no download."""
+    """``byte`` (no download) or a Hugging Face tokenizer directory (``tokenizer.json`` + config)."""
+    text_field: str = "text"
+    """Record field holding the text (``data.format=text``)."""
+    format: str = "text"
+    """``text`` (pre-training), ``prompt_response`` (``prompt``/``response`` fields, loss on the
+    response only) or ``chat`` (``messages``, rendered with the tokenizer's chat template)."""
+    mix: list[MixEntry] = field(default_factory=list)
+    """Several datasets mixed by weight (replaces ``dataset``), deterministic under ``trainer.seed``."""
+    packing_attention: str = "document"
+    """``collator=packing``: ``document`` (block-diagonal mask, positions restart per document) or
+    ``causal`` (no mask, documents separated by EOS only: SDPA's fused causal path)."""
+    prefetch: int = 2
+    """Batches a prepared corpus's loader builds ahead on a background thread (0: none)."""
     seq_len: int = 256
     """Row length for ``packing`` and ``pad_to_max``."""
     batch_size: int = 8
@@ -249,6 +271,20 @@ class ExportConfig:
 
 
 @dataclass
+class PrepareConfig:
+    """``portatrain prepare out=DIR``: tokenize ``data.dataset`` (or ``data.mix``) into memory-mapped shards."""
+
+    out: str | None = None
+    """Directory to write (new, or an interrupted prepare of the same settings, which resumes)."""
+    workers: int = 0
+    """Tokenizer processes; 0 uses every core."""
+    shard_chars: int = 64_000_000
+    """Characters of text per shard (about 16M tokens with a Llama 3 tokenizer)."""
+    verify: bool = False
+    """Re-read every shard and check its sha256 against the manifest afterwards."""
+
+
+@dataclass
 class MetricsConfig:
     jsonl: bool = True
     """Append every log record to ``<run_dir>/metrics.jsonl``."""
@@ -309,6 +345,7 @@ class Config:
     compile: CompileConfig = field(default_factory=CompileConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)

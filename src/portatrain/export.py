@@ -82,7 +82,7 @@ def export_hf(checkpoint: Path, out: Path, *, max_shard_size: int, dtype: str = 
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
-    from portatrain.data.tokenizer import build_tokenizer
+    from portatrain.data.tokenizer import build_tokenizer, copy_tokenizer_files
 
     if dtype not in DTYPES:
         raise ConfigError(f"export.dtype={dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
@@ -149,6 +149,8 @@ def export_hf(checkpoint: Path, out: Path, *, max_shard_size: int, dtype: str = 
         "pad_token_id": tokenizer.pad_id,
     }
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # The tokenizer's own files next to the weights: AutoTokenizer.from_pretrained(out) just works.
+    copy_tokenizer_files(state.get("tokenizer", "byte"), tmp)
     index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     if out.exists():

@@ -49,9 +49,8 @@ from portatrain.checkpoint import (
 )
 from portatrain.compile import CompileMonitor, block_compiler, warmup_batches
 from portatrain.config import Config
-from portatrain.data.documents import load_documents
 from portatrain.data.loader import batch_shapes, build_collator, build_dataloader
-from portatrain.data.tokenizer import build_tokenizer
+from portatrain.data.pipeline import build_data
 from portatrain.distributed import destroy_distributed, dist_info_from_env, init_distributed
 from portatrain.dtypes import dtype_from_name
 from portatrain.kernels import apply as apply_kernels
@@ -110,14 +109,12 @@ class Trainer:
         if cfg.trainer.deterministic:
             torch.use_deterministic_algorithms(True)
 
-        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
-        self.train_documents, self.eval_documents = load_documents(
-            cfg.data.dataset,
-            self.tokenizer,
-            num_documents=cfg.data.num_documents,
-            eval_fraction=cfg.data.eval_fraction,
-            seed=cfg.trainer.seed,
+        # The data stage: a prepared corpus streams (train_documents stay empty), else in memory.
+        self.data = build_data(
+            cfg.data, seed=cfg.trainer.seed, dp_rank=self.dp_rank, dp_world_size=self.dp_world_size
         )
+        self.tokenizer = self.data.tokenizer
+        self.train_documents, self.eval_documents = self.data.train_documents, self.data.eval_documents
         self.train_loader = self.build_dataloader(self.train_documents, train=True)
 
         with torch.device("meta"):
@@ -163,8 +160,9 @@ class Trainer:
 
     # -- hooks -----------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
-        """Construct the model (on the meta device; no initialization here)."""
-        return build_model(self.cfg.model)
+        """Construct the model (on the meta device; no initialization here). The embedding has the
+        tokenizer's vocabulary unless ``model.vocab_size`` sets a larger one."""
+        return build_model(self.cfg.model, vocab_size=self.tokenizer.vocab_size)
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Apply TP -> activation checkpointing -> compile -> FSDP2 to the meta model, per the model
@@ -259,7 +257,7 @@ class Trainer:
         records = self.compile_monitor.warm_up(
             [self._to_device(b) for b in batches],
             train=train,
-            evaluate=evaluate if self.cfg.trainer.eval_every and self.eval_documents else None,
+            evaluate=evaluate if self.cfg.trainer.eval_every and self.data.has_eval else None,
             synchronize=self.accelerator.synchronize,
         )
         self.optimizer.zero_grad(set_to_none=True)
@@ -285,6 +283,9 @@ class Trainer:
 
     # -- data ------------------------------------------------------------------------------
     def build_dataloader(self, documents: list[list[int]], *, train: bool):
+        """This rank's loader: over ``documents`` in memory, or the prepared corpus's stream."""
+        if self.data.streaming:
+            return self.data.train_loader() if train else self.data.eval_loader()
         data_cfg = self.cfg.data
         if not train:
             data_cfg = OmegaConf.merge(data_cfg, {"sampler": "sequential", "last_batch": "pad"})
@@ -372,7 +373,7 @@ class Trainer:
             if (
                 cfg.eval_every
                 and (self.step % cfg.eval_every == 0 or self.step == cfg.steps)
-                and self.eval_documents
+                and self.data.has_eval
             ):
                 with self.compile_monitor.watch(what="evaluation"):
                     eval_metrics = self.evaluate()
@@ -409,7 +410,7 @@ class Trainer:
                 "recipe": self.cfg.recipe,
                 "model_name": self.cfg.model.name,  # the family whose spec reads model_args back
                 "model_args": model_args_dict(self.model),
-                "tokenizer": self.cfg.data.tokenizer,
+                "tokenizer": self.tokenizer.name,  # absolute path: export copies its files
                 "dp_world_size": self.dp_world_size,
             },
             dataloader_state=self.train_loader.state_dict(),

@@ -33,6 +33,7 @@ COMMANDS: dict[str, str] = {
     "train": "portatrain.commands.train",  # the default command
     "bench": "portatrain.commands.bench",  # cold start and steady-state throughput
     "export": "portatrain.commands.export",  # a checkpoint -> a Hugging Face directory
+    "prepare": "portatrain.commands.prepare",  # tokenize a corpus into memory-mapped shards
     "plan": "portatrain.commands.plan",  # = dry_run=true: size and memory, nothing allocated
     "render": "portatrain.commands.render",  # a SLURM/Kubernetes job for this config
     "submit": "portatrain.commands.submit",  # ... written to the run directory and submitted

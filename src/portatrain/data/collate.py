@@ -155,16 +155,21 @@ class PadCollator:
 class PackingCollator:
     """Batch packed rows (each a list of examples whose positions sum to <= ``seq_len``).
 
-    Positions restart at 0 for every document; ``attn_mask`` lets a token attend only to earlier
-    tokens of its own document. The padded tail of a row (and each fully-masked filler row) is one
-    more causal block of its own, so every query attends to at least itself: an all-False mask row
-    would make SDPA return NaN there, and NaN leaks into gradients even where the label is -100.
+    ``packing_attention=document`` (default): positions restart at 0 for every document;
+    ``attn_mask`` lets a token attend only to earlier tokens of its own document. The padded tail of
+    a row (and each fully-masked filler row) is one more causal block of its own, so every query
+    attends to at least itself: an all-False mask row would make SDPA return NaN there, and NaN
+    leaks into gradients even where the label is -100.
+
+    ``causal=True`` (``packing_attention=causal``): no mask and positions 0..S-1 across the row;
+    documents are separated only by EOS, and attention takes SDPA's fused ``is_causal`` path.
     """
 
-    def __init__(self, seq_len: int, batch_size: int, pad_id: int) -> None:
+    def __init__(self, seq_len: int, batch_size: int, pad_id: int, *, causal: bool = False) -> None:
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.pad_id = pad_id
+        self.causal = causal
 
     def __call__(self, rows: Sequence[Sequence[Sequence[int]]]) -> dict[str, torch.Tensor]:
         _check_batch_size(len(rows), self.batch_size)
@@ -190,15 +195,19 @@ class PackingCollator:
             positions.append(pos + list(range(pad)))
             seg += [len(row)] * pad
             segments.append(seg)
+        batch = {
+            "input_ids": torch.tensor(input_ids, dtype=torch.long),
+            "labels": torch.tensor(labels, dtype=torch.long),
+        }
+        if self.causal:
+            batch["positions"] = torch.arange(seq, dtype=torch.long).repeat(self.batch_size, 1)
+            return batch
         segment_ids = torch.tensor(segments, dtype=torch.long)
         causal = torch.ones(seq, seq, dtype=torch.bool).tril()
         attn_mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal
-        return {
-            "input_ids": torch.tensor(input_ids, dtype=torch.long),
-            "labels": torch.tensor(labels, dtype=torch.long),
-            "positions": torch.tensor(positions, dtype=torch.long),
-            "attn_mask": attn_mask.unsqueeze(1),
-        }
+        batch["positions"] = torch.tensor(positions, dtype=torch.long)
+        batch["attn_mask"] = attn_mask.unsqueeze(1)
+        return batch
 
 
 def _check_batch_size(n: int, batch_size: int) -> None:

@@ -78,7 +78,8 @@ def build_collator(data_cfg: Any, *, pad_id: int) -> PadCollator | PackingCollat
     _check_collator(data_cfg.collator)
     batch = int(data_cfg.batch_size)
     if data_cfg.collator == "packing":
-        return PackingCollator(int(data_cfg.seq_len), batch, pad_id)
+        causal = getattr(data_cfg, "packing_attention", "document") == "causal"
+        return PackingCollator(int(data_cfg.seq_len), batch, pad_id, causal=causal)
     buckets = list(data_cfg.buckets) if data_cfg.collator == "bucket" else [int(data_cfg.seq_len)]
     return PadCollator(buckets, batch, pad_id)
 

@@ -129,6 +129,7 @@ def prepare(
     chunks = _chunks(payloads, shard_chars)
     job = (str(out), tokenizer, format, dtype.str)
     if workers == 1:
+        _init_worker()  # one core means one core: no tokenizer thread pool either
         for index, chunk in enumerate(chunks):
             meta = _done_shard(out, index)
             resumed += meta is not None

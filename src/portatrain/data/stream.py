@@ -320,29 +320,29 @@ class StreamingLoader:
                 "positions": torch.arange(seq, dtype=torch.long).repeat(b, 1),
             }
         positions = np.tile(np.arange(seq, dtype=np.int64), (b, 1))
-        segments = np.zeros((b, seq), dtype=np.int32)
+        # Block-diagonal causal mask, written block by block into zeroed (lazily allocated) memory:
+        # the cost is the documents' own triangles, not B * S * S comparisons.
+        attn_mask = np.zeros((b, 1, seq, seq), dtype=bool)
+        tril = _tril(seq)
         for r in range(b):
             row = rows[r] if r < len(rows) else []
             at = 0
-            for k, piece in enumerate(row):
+            for piece in row:
                 x, y = self._read(tuple(piece))
                 n = len(x)
                 input_ids[r, at : at + n] = x
                 labels[r, at : at + n] = y
                 positions[r, at : at + n] = np.arange(n)
-                segments[r, at : at + n] = k
+                attn_mask[r, 0, at : at + n, at : at + n] = tril[:n, :n]
                 at += n
             # The padded tail is one more causal block (every query attends to at least itself).
             positions[r, at:] = np.arange(seq - at)
-            segments[r, at:] = len(row)
-        seg = torch.from_numpy(segments)
-        causal = torch.ones(seq, seq, dtype=torch.bool).tril_()
-        attn_mask = (seg[:, :, None] == seg[:, None, :]).logical_and_(causal)
+            attn_mask[r, 0, at:, at:] = tril[: seq - at, : seq - at]
         return {
             "input_ids": torch.from_numpy(input_ids),
             "labels": torch.from_numpy(labels),
             "positions": torch.from_numpy(positions),
-            "attn_mask": attn_mask.unsqueeze(1),
+            "attn_mask": torch.from_numpy(attn_mask),
         }
 
     # -- resume -----------------------------------------------------------------------------
@@ -391,6 +391,17 @@ def _unjson(unit: list) -> Any:
     if unit and isinstance(unit[0], list | tuple):
         return [tuple(p) for p in unit]
     return tuple(unit)
+
+
+_TRIL: dict[int, np.ndarray] = {}
+
+
+def _tril(n: int) -> np.ndarray:
+    """A cached lower-triangular boolean ``[n, n]`` (read-only; sliced for each document)."""
+    if n not in _TRIL:
+        _TRIL[n] = np.tril(np.ones((n, n), dtype=bool))
+        _TRIL[n].setflags(write=False)
+    return _TRIL[n]
 
 
 _DONE = object()

@@ -69,8 +69,8 @@ class HFTokenizer:
     def __init__(self, path: str | Path) -> None:
         from tokenizers import Tokenizer
 
-        self.path = Path(path)
-        self.name = str(path)
+        self.path = Path(path).resolve()
+        self.name = str(self.path)
         file = self.path / "tokenizer.json"
         try:
             self._tok = Tokenizer.from_file(str(file))
