@@ -264,3 +264,69 @@ def test_compiled_blocks_on_sim_match_cpu(tmp_path: Path) -> None:
         assert step_c == step_s
         assert loss_s == pytest.approx(loss_c, abs=1e-5)
         assert gn_s == pytest.approx(gn_c, rel=1e-5)
+
+
+def test_impersonation_presents_the_device_as_neuron() -> None:
+    out = run_python(
+        """
+        import json, torch
+        from portatrain.accelerators.sim import runtime, counters
+        from portatrain.accelerators.sim.adapter import SimAccelerator
+        acc = SimAccelerator()
+        assert acc.device_type == "neuron" and acc.dist_backend == "cpu:gloo,neuron:simccl"
+        acc.load()
+        x = torch.ones(3, device="neuron")
+        torch.accelerator.set_device_index(1)
+        res = {
+            "device": str((x * 2).device),
+            "module": torch.neuron.device_count(),
+            "accelerator": str(torch.accelerator.current_accelerator()),
+            "current": torch.accelerator.current_device_index(),
+            "allocated": torch.accelerator.memory_allocated(0),
+            "is_neuron": x.is_neuron,
+        }
+        torch.accelerator.synchronize()
+        res["counted"] = counters.snapshot().syncs
+        try:
+            runtime.install("tpu")
+        except RuntimeError as exc:
+            res["second_name"] = "one PrivateUse1 name per process" in str(exc)
+        print(json.dumps(res))
+        """,
+        env={"PORTATRAIN_SIM_AS": "neuron", "SIM_DEVICE_COUNT": "2"},
+    )
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res == {
+        "device": "neuron:0",
+        "module": 2,
+        "accelerator": "neuron",
+        "current": 1,
+        "allocated": 12,
+        "is_neuron": True,
+        "counted": {"synchronize": 1},
+        "second_name": True,
+    }
+
+
+def test_tpu_adapter_trains_end_to_end_on_the_impersonating_sim(tmp_path: Path) -> None:
+    """A stand-in ``torch_tpu`` that installs the sim as ``tpu`` under the names TorchTPU registers:
+    the unchanged TPU adapter (``device=tpu``) then trains, with the CPU's losses."""
+    standin = tmp_path / "standin" / "torch_tpu"
+    standin.mkdir(parents=True)
+    (standin / "__init__.py").write_text(
+        "from portatrain.accelerators.sim import runtime\n"
+        'runtime.install("tpu", dist_backend="tpu_dist", compile_backend="tpu", hardware_name="TPU v6e")\n'
+    )
+    pythonpath = f"{standin.parent}{os.pathsep}{ROOT / 'src'}"
+    cpu = _train("cpu", tmp_path / "cpu", "checkpoint.enabled=false", "trainer.dtype=float32")
+    tpu = _train(
+        "tpu",
+        tmp_path / "tpu",
+        "checkpoint.enabled=false",
+        "trainer.dtype=float32",
+        env={"PYTHONPATH": pythonpath},
+    )
+    for (step_c, loss_c, gn_c), (step_t, loss_t, gn_t) in zip(cpu, tpu, strict=True):
+        assert step_c == step_t
+        assert loss_t == pytest.approx(loss_c, abs=1e-6)
+        assert gn_t == pytest.approx(gn_c, rel=1e-5)

@@ -13,21 +13,20 @@ from typing import Any
 
 BACKEND_NAME = "simccl"
 
-_registered = False
+_registered: set[str] = set()
 
 
-def register(ext: Any, name: str) -> None:
-    """Register ``simccl`` for device type ``name`` with torch.distributed (once per process)."""
-    global _registered
+def register(ext: Any, name: str, backend: str = BACKEND_NAME) -> None:
+    """Register the backend as ``backend`` (default ``simccl``) for device type ``name`` (once per name)."""
     import torch.distributed as dist
 
-    if _registered or not dist.is_available():
+    if backend in _registered or not dist.is_available():
         return
 
     def create(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
         # Its own store prefix: the group's cpu:gloo backend rendezvouses on the same store.
-        inner = dist.ProcessGroupGloo(dist.PrefixStore(f"{BACKEND_NAME}/", store), rank, size, timeout)
+        inner = dist.ProcessGroupGloo(dist.PrefixStore(f"{backend}/", store), rank, size, timeout)
         return ext.SimBackend(inner, rank, size)
 
-    dist.Backend.register_backend(BACKEND_NAME, create, devices=[name])
-    _registered = True
+    dist.Backend.register_backend(backend, create, devices=[name])
+    _registered.add(backend)

@@ -57,11 +57,22 @@ def installed() -> str | None:
     return _installed
 
 
-def install(name: str | None = None) -> types.ModuleType:
+def install(
+    name: str | None = None,
+    *,
+    dist_backend: str | None = None,
+    compile_backend: str | None = None,
+    hardware_name: str | None = None,
+) -> types.ModuleType:
     """Make the sim device usable as ``torch.device(name)``; return its ``torch.<name>`` module.
 
     ``name`` defaults to ``$PORTATRAIN_SIM_AS`` or ``sim``. Idempotent for the same name; a
     second name in one process is an error (torch allows one PrivateUse1 name per process).
+
+    For impersonating a vendor stack, the names its adapter expects: ``dist_backend`` registers
+    the process-group backend under that name too (``tpu_dist`` for ``cpu:gloo,tpu:tpu_dist``),
+    ``compile_backend`` registers a ``torch.compile`` backend of that name (``tpu``) that runs
+    ``aot_eager``, and ``hardware_name`` is what ``torch.<name>.get_device_name()`` returns.
     """
     global _installed
     name = name or device_name()
@@ -76,6 +87,7 @@ def install(name: str | None = None) -> types.ModuleType:
                 f"the sim device is already installed as {_installed!r} in this process and cannot "
                 f"also be {name!r}: torch allows one PrivateUse1 name per process; use a new process"
             )
+        _extras(name, dist_backend, compile_backend, hardware_name)
         return getattr(torch, name)
     current = torch._C._get_privateuse1_backend_name()
     if current not in ("privateuseone", name):
@@ -96,14 +108,34 @@ def install(name: str | None = None) -> types.ModuleType:
     from portatrain.accelerators.sim import distributed
 
     distributed.register(ext, name)
+    _installed = name
+    _extras(name, dist_backend, compile_backend, hardware_name)
     # Autograd runs device backward on its own worker threads, which drop their last reference
     # to the finished graph task (and the Python objects it holds) just after waking the caller.
     # A process that exits right after backward() can finalize Python in between, and the worker,
     # blocked on the GIL, is then killed mid-unwind ("terminate called without an active
     # exception"). Yielding the GIL briefly at exit lets it finish first.
     atexit.register(time.sleep, 0.05)
-    _installed = name
     return module
+
+
+def _extras(
+    name: str, dist_backend: str | None, compile_backend: str | None, hardware_name: str | None
+) -> None:
+    """The vendor-facing names of an impersonated device (see :func:`install`)."""
+    from portatrain.accelerators.sim import distributed
+
+    ext = _build.load_extension()
+    if dist_backend:
+        distributed.register(ext, name, dist_backend)
+    if compile_backend:
+        from torch._dynamo import list_backends, lookup_backend, register_backend
+
+        if compile_backend not in list_backends(exclude_tags=()):
+            register_backend(lookup_backend("aot_eager"), name=compile_backend)
+    if hardware_name:
+        module = getattr(torch, name)
+        module.get_device_name = lambda device=None: hardware_name
 
 
 def _device_module(ext: Any, name: str) -> types.ModuleType:
@@ -208,6 +240,7 @@ def _device_module(ext: Any, name: str) -> types.ModuleType:
         "stream": stream,
         "set_stream": torch.accelerator.set_stream,
         "device": device,
+        "get_device_name": lambda device=None: f"portatrain sim ({name}, CPU kernels)",
     }
     for key, value in functions.items():
         if value is not None:
