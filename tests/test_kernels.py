@@ -165,6 +165,29 @@ def test_apply_refuses_a_model_without_the_slot() -> None:
         apply(nn.Sequential(nn.Linear(2, 2)), KernelSet({"rope": reference.rope}, ("pallas_rope",)))
 
 
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_every_family_exposes_every_slot(family: str) -> None:
+    """Both model files route RMSNorm, SwiGLU and RoPE through swappable slots (q/k norms included)."""
+    from portatrain.models import get_spec
+
+    spec = get_spec(family)
+    model = spec.model_cls(spec.args("debug"))
+    rms, rms_calls = _counting(reference.rmsnorm)
+    swi, swi_calls = _counting(reference.swiglu)
+    rope, rope_calls = _counting(reference.rope)
+    counts = apply(model, KernelSet({"rmsnorm": rms, "swiglu": swi, "rope": rope}, ("a", "b", "c")))
+    n_layers = len(model.layers)
+    norms_per_block = 4 if family == "qwen3" else 2  # + q_norm and k_norm in Qwen 3
+    assert counts == {"rmsnorm": n_layers * norms_per_block + 1, "swiglu": n_layers, "rope": n_layers}
+    model.init_weights()
+    model(torch.randint(0, 100, (1, 8)))
+    assert (len(rms_calls), len(swi_calls), len(rope_calls)) == (
+        n_layers * norms_per_block + 1,
+        n_layers,
+        2 * n_layers,
+    )
+
+
 # --- custom ops: a torch stand-in kernel through the shared registration ---
 
 

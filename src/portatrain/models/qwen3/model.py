@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from portatrain.kernels.reference import rmsnorm, rope, swiglu
+
 _POSITIVE_FIELDS = (
     "dim",
     "n_layers",
@@ -203,25 +205,12 @@ def rope_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables of shape ``[max_seq_len, head_dim]`` in fp32, HF's half-split layout:
     the ``head_dim/2`` angles are repeated (``cat(angles, angles)``), pairing channel ``i`` with
-    channel ``i + head_dim/2`` (see :func:`apply_rope`)."""
+    channel ``i + head_dim/2`` (see :func:`portatrain.kernels.reference.rope`)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` on the last dimension, split in halves."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each (i, i + head_dim/2) channel pair of ``x`` ``[B, H, S, head_dim]`` by its angle."""
-    # The tables are fp32; cast them to the activations' dtype like HF so bf16 runs stay bf16.
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + rotate_half(x) * sin
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,14 +225,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
+        self.rmsnorm_fn = rmsnorm  # F.rms_norm, unless a kernel override replaces it
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm is a single fused kernel on CPU and CUDA and decomposes elsewhere.
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.rmsnorm_fn(x, self.weight, self.eps)
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -277,6 +266,7 @@ class Attention(nn.Module):
         # One gain of head_dim values, shared by every head (HF: "only on the head dim").
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.rope_fn = rope  # x * cos + rotate_half(x) * sin, unless a kernel override replaces it
 
     def init_weights(self, std: float, out_std: float) -> None:
         for linear in (self.q_proj, self.k_proj, self.v_proj):
@@ -295,7 +285,7 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(batch, seq_len, -1, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(batch, seq_len, -1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # after the norms, as in Qwen 3
+        q, k = self.rope_fn(q, cos, sin), self.rope_fn(k, cos, sin)  # after the norms, as in Qwen 3
         n_rep = q.shape[1] // k.shape[1]
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         # SDPA scales by 1/sqrt(q.shape[-1]) = 1/sqrt(head_dim): the decoupled width, as HF does.
@@ -315,6 +305,7 @@ class FeedForward(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
         self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+        self.swiglu_fn = swiglu  # silu(gate) * up, unless a kernel override replaces it
 
     def init_weights(self, std: float, out_std: float) -> None:
         _trunc_normal_(self.gate_proj.weight, std)
@@ -322,7 +313,7 @@ class FeedForward(nn.Module):
         _trunc_normal_(self.down_proj.weight, out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.swiglu_fn(self.gate_proj(x), self.up_proj(x)))
 
 
 class TransformerBlock(nn.Module):
@@ -378,7 +369,7 @@ class Qwen3(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         # Derived from args, so kept out of checkpoints (non-persistent) and rebuilt by init_weights
-        # after to_empty(). fp32 even in bf16 runs; apply_rope casts at use.
+        # after to_empty(). fp32 even in bf16 runs; the rope op casts at use.
         cos, sin = rope_tables(args.head_dim, args.rope_theta, args.max_seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
