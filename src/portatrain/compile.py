@@ -97,13 +97,15 @@ def block_compiler(
     """
     if not compile_cfg.enabled:
         return None
-    backend, dynamic = compile_options(compile_cfg, accelerator)
+    return _block_compiler(*compile_options(compile_cfg, accelerator))
 
+
+def _block_compiler(backend: str, dynamic: bool | None) -> Callable[[nn.Module], nn.Module]:
     def compile_block(block: nn.Module) -> nn.Module:
         block.compile(backend=backend, dynamic=dynamic, fullgraph=True)
         return block
 
-    compile_block.backend, compile_block.dynamic = backend, dynamic  # type: ignore[attr-defined]
+    logger.info("compiling transformer blocks with backend=%s dynamic=%s", backend, dynamic)
     return compile_block
 
 
@@ -120,11 +122,9 @@ def compile_blocks(model: nn.Module, accelerator: Accelerator, compile_cfg: Comp
             "no ModuleDict/ModuleList named 'layers'; compile the model in your Trainer.parallelize "
             "override, or set compile.enabled=false"
         )
-    backend, dynamic = compile_options(compile_cfg, accelerator)
-    blocks = layers.values() if isinstance(layers, nn.ModuleDict) else layers
-    for block in blocks:
-        block.compile(backend=backend, dynamic=dynamic, fullgraph=True)
-    logger.info("compiling %d blocks with backend=%s dynamic=%s", len(layers), backend, dynamic)
+    compile_block = _block_compiler(*compile_options(compile_cfg, accelerator))
+    for block in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
+        compile_block(block)
     return model
 
 

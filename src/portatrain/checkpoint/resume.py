@@ -11,10 +11,13 @@ import copy
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from portatrain.checkpoint.checkpointer import complete_checkpoints, read_trainer_state
 from portatrain.checkpoint.common import STEP_DIR, CheckpointError, broadcast_from_main, get_rank
+
+if TYPE_CHECKING:
+    from torchdata.stateful_dataloader import StatefulDataLoader
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +77,7 @@ def _resolve_resume(spec: str | None, folder: Path, recipe: str | None) -> Path 
     return path
 
 
-def load_dataloader_state(loader: Any, state: Mapping[str, Any], path: Path) -> None:
+def load_dataloader_state(loader: StatefulDataLoader, state: Mapping[str, Any], path: Path) -> None:
     """Restore a StatefulDataLoader's position; a data order that no longer matches is a CheckpointError.
 
     The sampler's position counts GLOBAL batches (``data.batch_size * dp world size`` rows), so it

@@ -7,7 +7,7 @@ imports the family's modules to train, checkpoint, export or plan a Llama.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -22,8 +22,11 @@ from portatrain.models.llama.model import (
 from portatrain.models.memory import estimate_memory
 from portatrain.models.spec import HFMapping, ModelSpec
 
+if TYPE_CHECKING:
+    from portatrain.parallel.parallel_dims import ParallelDims
 
-def parallelize(model: nn.Module, parallel_dims: Any, **options: Any) -> nn.Module:
+
+def parallelize(model: nn.Module, parallel_dims: ParallelDims, **options: Any) -> nn.Module:
     """:func:`portatrain.models.llama.parallelize.parallelize_llama`, imported when first used: the
     registry is imported by the config validator, which should not pay for FSDP and tensor parallel."""
     from portatrain.models.llama.parallelize import parallelize_llama
