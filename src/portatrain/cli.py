@@ -36,10 +36,11 @@ def config_dir() -> str:
 
 
 def _report_user_errors(command: str, fn: Callable[[], object]) -> object:
-    """Run ``fn``; a :class:`UserError` (or a missing file) becomes one line on stderr and exit 2."""
+    """Run ``fn``; a :class:`UserError` becomes one line on stderr and exit 2 (anything else is a bug
+    and keeps its traceback)."""
     try:
         return fn()
-    except (UserError, FileNotFoundError) as exc:
+    except UserError as exc:
         print(f"portatrain {command}: error: {exc}", file=sys.stderr)
         sys.exit(2)
 
@@ -51,7 +52,7 @@ def _run(command: str, module: ModuleType, cfg: DictConfig, trainer_cls: type | 
     if cfg.run_dir is None:
         with open_dict(cfg):
             cfg.run_dir = HydraConfig.get().runtime.output_dir
-    if cfg.dry_run:
+    if cfg.dry_run:  # any command with dry_run=true plans instead of running
         module = load_command("plan")
     ctx = CommandContext(trainer_cls=trainer_cls, overrides=list(HydraConfig.get().overrides.task))
     module.run(cfg, ctx)
