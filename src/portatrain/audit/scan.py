@@ -366,7 +366,8 @@ class _FileScan:
         self.tree = tree
         self.source = source
         self.path = path
-        self.line_bytes = [line.encode("utf-8") for line in source.splitlines()]
+        # Lines as ast numbers them (\n, \r\n or \r only: str.splitlines also splits on \f and others).
+        self.line_bytes = [line.encode("utf-8") for line in re.split(r"\r\n|\r|\n", source)]
         self.suppressions = _read_suppressions(source)
         self.parent: dict[int, ast.AST] = {}
         for node in ast.walk(tree):
@@ -447,8 +448,17 @@ class _FileScan:
 
     def text(self, node: ast.AST, limit: int = 60) -> str:
         """The expression as written in the file (whitespace collapsed, long ones shortened)."""
-        segment = ast.get_source_segment(self.source, node) or ast.unparse(node)
-        return _short(" ".join(segment.split()), limit)
+        # Not ast.get_source_segment: it splits the whole source on every call (quadratic).
+        first, last = node.lineno, node.end_lineno
+        start, end = node.col_offset, node.end_col_offset
+        if last is None or end is None or not 0 < first <= last <= len(self.line_bytes):
+            return _short(ast.unparse(node), limit)
+        lines = self.line_bytes[first - 1 : last]
+        if first == last:
+            segment = lines[0][start:end]
+        else:
+            segment = b" ".join([lines[0][start:], *lines[1:-1], lines[-1][:end]])
+        return _short(" ".join(segment.decode("utf-8", errors="replace").split()), limit)
 
     # -- names ----------------------------------------------------------------------------------
     def qualname(self, node: ast.AST) -> str | None:
