@@ -9,25 +9,32 @@ bumps the version, adding a field does not::
       "tool": {"name": "portatrain audit", "version": "0.1.0"},
       "paths": ["examples/cuda_first_train.py"],     # as asked
       "files": ["examples/cuda_first_train.py"],     # every file scanned (relative to the cwd)
-      "config": null,                                # the config file used, if any
+      "config": "pyproject.toml",                    # the config file used (null: none)
       "fail_on": "error",
       "failed": true,                                # whether the exit code is non-zero
       "summary": {
-        "error": 9, "warning": 7, "info": 0, "suppressed": 0,
-        "by_rule": {"cuda-call": 2, ...},
-        "by_level": {"1": 8, "2": 3, ...}            # checklist level -> active findings
+        "error": 14, "warning": 11, "info": 0, "suppressed": 0,
+        "by_rule": {"cuda-amp": 2, "cuda-api": 4, ...},
+        "by_level": {"0": 2, "1": 17, "2": 2, "4": 1, "5": 3}   # checklist level -> findings
       },
       "findings": [                                  # sorted by path, line, column
-        {"path": ..., "line": 12, "column": 5,       # 1-based, column in characters
-         "end_line": 12, "end_column": 17,
+        {"path": "examples/cuda_first_train.py",
+         "line": 157, "column": 45,                  # 1-based, column in characters
+         "end_line": 157, "end_column": 49,
          "rule": "cuda-call", "severity": "error",
          "level": 1, "category": "device placement",
-         "message": "...", "replacement": "..."}
+         "message": "`GPT(block_size=args.block_size).cuda()` moves to an NVIDIA GPU",
+         "replacement": "`.to(device)` with `device` from the accelerator adapter ..."}
       ],
       "suppressed": [ {... same fields ..., "justification": "why it is fine"} ],
       "rules": {"cuda-call": {"severity": "error", "level": 1, "category": ..., "summary": ...,
-                              "replacement": ...}, ...}   # every rule, with the severity in effect
+                              "replacement": ..., "disabled": false}, ...}
     }
+
+Levels are the portability checklist's (reference article 001, section 8): 1 device & API, 2
+operator & library coverage, 4 compilation & shape stability, 5 performance; 0 is outside it
+(checkpoint safety, unparsable files). ``rules`` lists every rule with the severity in effect
+after the config, so a reader can tell "no finding" from "rule disabled".
 
 **SARIF** (``--format sarif``) follows the OASIS SARIF 2.1.0 schema so code hosts can show the
 findings inline: one run, the tool's rules under ``tool.driver.rules`` (id, descriptions, help,
@@ -84,8 +91,9 @@ def summary(result: AuditResult) -> dict[str, Any]:
     }
 
 
-def render_json(result: AuditResult, fail_on: str) -> str:
-    document = {
+def json_document(result: AuditResult, fail_on: str) -> dict[str, Any]:
+    """The ``--format json`` document as a dict (for in-process readers such as the report)."""
+    return {
         "schema": JSON_SCHEMA,
         "tool": {"name": "portatrain audit", "version": tool_version()},
         "paths": result.paths,
@@ -98,7 +106,10 @@ def render_json(result: AuditResult, fail_on: str) -> str:
         "suppressed": [f.to_dict() for f in result.suppressed],
         "rules": effective_rules(result),
     }
-    return json.dumps(document, indent=2)
+
+
+def render_json(result: AuditResult, fail_on: str) -> str:
+    return json.dumps(json_document(result, fail_on), indent=2)
 
 
 def _relative(path: str | None) -> str | None:
