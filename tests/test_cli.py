@@ -155,3 +155,20 @@ def test_overlong_sequence_error_names_the_document(tmp_path: Path) -> None:
     assert out.returncode == 2, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
     assert "32" in out.stderr and "data.overlong=split" in out.stderr
+
+
+def test_every_command_module_keeps_the_contract() -> None:
+    from portatrain.commands import COMMANDS, load_command, uses_hydra
+
+    assert {"train", "bench", "export", "plan", "render", "submit"} <= set(COMMANDS)
+    for name in COMMANDS:
+        module = load_command(name)
+        assert module.__doc__, name
+        assert callable(getattr(module, "run" if uses_hydra(module) else "main", None)), name
+
+
+def test_plan_command_sizes_a_layout_it_does_not_launch(tmp_path: Path) -> None:
+    args = ["plan", "recipe=llama70b", "device=cuda", "parallel.dp_shard=8", "parallel.tp=8"]
+    out = run_cli(args, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "70,553,706,496" in out.stdout and "= 64 devices" in out.stdout

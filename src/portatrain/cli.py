@@ -21,6 +21,7 @@ from portatrain.commands import (
     COMMANDS,
     DEFAULT_COMMAND,
     CommandContext,
+    command_overrides,
     load_command,
     shorthands,
     uses_hydra,
@@ -80,7 +81,7 @@ def main(trainer_cls: type | None = None) -> None:
         status = _report_user_errors(command, lambda: module.main(sys.argv[1:]))
         sys.exit(status or 0)
     keys = shorthands(module)
-    sys.argv[1:] = [_expand_shorthand(keys, arg) for arg in sys.argv[1:]]
+    sys.argv[1:] = [*command_overrides(module), *(_expand_shorthand(keys, arg) for arg in sys.argv[1:])]
     register_configs()
 
     def portatrain(cfg: DictConfig) -> None:  # Hydra names the job after this function

@@ -6,6 +6,7 @@ A command reuses the pipeline's stages and never re-implements them. Two kinds e
 
       def run(cfg: Config, ctx: CommandContext) -> None: ...
       SHORTHANDS = {"out": "export.out"}   # optional: bare keys the command reads from its section
+      OVERRIDES = ["dry_run=true"]         # optional: composed before the user's overrides
 
   ``ctx`` carries what is not in the config: the ``Trainer`` subclass research code passed to
   ``portatrain.cli.main`` and the raw command-line overrides (which ``render`` replays in the job).
@@ -69,4 +70,17 @@ def shorthands(module: ModuleType) -> dict[str, Any]:
     return dict(getattr(module, "SHORTHANDS", {}))
 
 
-__all__ = ["COMMANDS", "DEFAULT_COMMAND", "CommandContext", "load_command", "shorthands", "uses_hydra"]
+def command_overrides(module: ModuleType) -> list[str]:
+    """Overrides the command composes before the user's (``OVERRIDES``, default none)."""
+    return list(getattr(module, "OVERRIDES", []))
+
+
+__all__ = [
+    "COMMANDS",
+    "DEFAULT_COMMAND",
+    "CommandContext",
+    "command_overrides",
+    "load_command",
+    "shorthands",
+    "uses_hydra",
+]

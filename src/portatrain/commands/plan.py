@@ -5,6 +5,9 @@ from __future__ import annotations
 from portatrain.commands import CommandContext
 from portatrain.config import Config
 
+OVERRIDES = ["dry_run=true"]
+"""Composed before the user's overrides: the plan sizes the layout it names, nothing is launched."""
+
 
 def run(cfg: Config, ctx: CommandContext) -> None:
     from portatrain.plan import describe_plan
