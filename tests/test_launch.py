@@ -16,9 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from portatrain.errors import ConfigError
 from portatrain.launch import job_overrides, render_job, training_overrides
 from tests.conftest import ROOT, TINY, compose_config, run_cli
 from tests.test_distributed import free_port
@@ -89,100 +87,6 @@ def test_sbatch_script_is_valid_bash_with_the_slurm_rendezvous(tmp_path: Path) -
     assert 'scancel --signal=TERM "$SLURM_JOB_ID"' in script
     assert 'if ((time_limit_warning)); then\n    scontrol requeue "$SLURM_JOB_ID"\n' in script
     assert "dp_replicate=1 x dp_shard=8 x tp=8 = 64 devices" in script
-
-
-def test_pytorchjob_for_trainium_parses_and_requests_neuron_cores() -> None:
-    manifest = yaml.safe_load(
-        _render(
-            [
-                "recipe=llama8b",
-                "device=neuron",
-                "parallel.launch.scheduler=pytorchjob",
-                "parallel.launch.nodes=4",
-                "parallel.launch.procs_per_node=32",
-                "parallel.launch.image=registry.example/portatrain:1",
-                "+parallel.launch.env.NEURON_RT_LOG_LEVEL=ERROR",
-            ]
-        )
-    )
-    assert (manifest["apiVersion"], manifest["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
-    specs = manifest["spec"]["pytorchReplicaSpecs"]
-    assert (specs["Master"]["replicas"], specs["Worker"]["replicas"]) == (1, 3)
-    assert manifest["spec"]["nprocPerNode"] == "32"
-    (container,) = specs["Worker"]["template"]["spec"]["containers"]
-    assert container["name"] == "pytorch"  # the operator looks for this name
-    assert container["image"] == "registry.example/portatrain:1"
-    assert container["resources"]["limits"] == {"aws.amazon.com/neuroncore": 32}
-    assert container["env"] == [{"name": "NEURON_RT_LOG_LEVEL", "value": "ERROR"}]
-    command = container["command"]
-    assert command[0] == "torchrun"
-    assert {"--nnodes=4", "--nproc-per-node=32", "--rdzv-backend=c10d"} <= set(command)
-    assert "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)" in command
-    assert command[command.index("-m") :] == ["-m", "portatrain", "recipe=llama8b", "device=neuron"]
-
-
-def test_pytorchjob_for_gpus_requests_nvidia_gpus() -> None:
-    manifest = yaml.safe_load(
-        _render(
-            [
-                "device=cuda",
-                "parallel.launch.scheduler=pytorchjob",
-                "parallel.launch.procs_per_node=8",
-                "parallel.launch.image=img:1",
-            ]
-        )
-    )
-    specs = manifest["spec"]["pytorchReplicaSpecs"]
-    assert set(specs) == {"Master"}  # one node: no workers
-    assert specs["Master"]["template"]["spec"]["containers"][0]["resources"]["limits"] == {
-        "nvidia.com/gpu": 8
-    }
-
-
-def test_jobset_for_a_tpu_slice_parses_with_the_right_structure() -> None:
-    manifest = yaml.safe_load(
-        _render(
-            [
-                "recipe=llama8b",
-                "device=tpu",
-                "parallel.launch.scheduler=jobset",
-                "parallel.launch.nodes=2",
-                "parallel.launch.procs_per_node=4",
-                "parallel.launch.tpu_topology=2x2x2",
-                "parallel.launch.image=img:1",
-                'parallel.launch.setup=["pip install -e ."]',
-            ]
-        )
-    )
-    assert (manifest["apiVersion"], manifest["kind"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet")
-    name = manifest["metadata"]["name"]
-    assert name == "portatrain-llama8b"
-    (job,) = manifest["spec"]["replicatedJobs"]
-    spec = job["template"]["spec"]
-    assert (spec["parallelism"], spec["completions"], spec["completionMode"]) == (2, 2, "Indexed")
-    pod = spec["template"]["spec"]
-    assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "2x2x2"
-    (container,) = pod["containers"]
-    assert container["resources"]["limits"] == {"google.com/tpu": 4}
-    assert container["command"][:2] == ["bash", "-c"] and "pip install -e ." in container["command"][2]
-    torchrun = container["command"][container["command"].index("torchrun") :]
-    assert f"--rdzv-endpoint={name}-workers-0-0.{name}:29500" in torchrun
-    assert f"--rdzv-id={name}" in torchrun and "--nnodes=2" in torchrun
-
-
-def test_kubernetes_problems_are_reported_together() -> None:
-    overrides = [
-        "device=cuda",
-        "parallel.launch.scheduler=jobset",
-        "parallel.launch.nodes=2",
-        "parallel.launch.procs_per_node=8",
-    ]
-    with pytest.raises(ConfigError) as err:
-        render_job(compose_config(overrides), overrides)
-    message = str(err.value)
-    assert "needs a container image: set parallel.launch.image=" in message
-    assert "renders a TPU slice, but device=cuda" in message
-    assert "tpu_topology=2x2x2 has 8 chips but nodes(2) * procs_per_node(8) = 16" in message
 
 
 def test_render_validates_the_layout_against_the_job_shape(tmp_path: Path) -> None:
@@ -258,17 +162,6 @@ def test_job_overrides_resume_by_default_unless_told_otherwise() -> None:
         "run_dir=/mnt/runs/debug/j",
     ]
     assert job_overrides(["run_dir=/mine"], run_dir="/mnt/x") == ["run_dir=/mine", "checkpoint.resume=auto"]
-
-
-def test_submit_without_the_scheduler_cli_is_one_clear_error(tmp_path: Path) -> None:
-    out = run_cli(
-        ["submit", "parallel.launch.scheduler=pytorchjob", "device=cuda", "parallel.launch.image=i:1"],
-        cwd=tmp_path,
-        env={"PATH": os.path.dirname(sys.executable)},
-    )
-    assert out.returncode == 2
-    assert "submits with `kubectl`, which is not on PATH here; run `portatrain render`" in out.stderr
-    assert "Traceback" not in out.stderr
 
 
 @pytest.mark.slow

@@ -1,37 +1,159 @@
 """Kubernetes: a JobSet for a TPU slice (GKE) and a Kubeflow PyTorchJob for GPU or Trainium nodes.
 
-Both run one pod per host, each pod one ``torchrun`` agent with ``procs_per_node`` workers, meeting in
-a c10d rendezvous keyed by the job name (also the run directory's name, ``runs/<recipe>/<job name>``;
-mount shared storage at the container's working directory to keep runs and checkpoints).
+Both run one pod per host, each pod one ``torchrun`` agent with ``procs_per_node`` workers, and
+both are built to survive a real cluster:
 
-* **JobSet** (``jobset.x-k8s.io/v1alpha2``): one replicated Job of ``nodes`` indexed pods on nodes
-  selected by ``cloud.google.com/gke-tpu-accelerator`` / ``gke-tpu-topology``, each requesting
-  ``procs_per_node`` ``google.com/tpu`` chips. JobSet gives every pod a stable DNS name
-  ``<jobset>-<job>-<job index>-<pod index>.<jobset>``; the first pod hosts the rendezvous.
-* **PyTorchJob** (``kubeflow.org/v1``): one ``Master`` and ``nodes - 1`` ``Worker`` replicas. The
-  training operator injects ``PET_MASTER_ADDR``/``PET_MASTER_PORT`` (the master's service), which the
-  command references as ``$(PET_MASTER_ADDR)`` -- Kubernetes expands it from the container's
-  environment. Resources: ``nvidia.com/gpu`` for ``device=cuda``, ``aws.amazon.com/neuroncore`` for
-  ``device=neuron`` (one process per NeuronCore).
+* **Names.** Every rendering gets a fresh name, ``<job_name or portatrain-<recipe>>-<yymmdd-hhmmss>-<3
+  random>``, at most 45 characters (JobSet's pod names ``<name>-workers-0-<i>-<5>`` stay within 63),
+  DNS-1035 (a letter first). ``submit`` uses ``kubectl create``, so a name clash is an error, never an
+  update of a running job.
+* **Shared storage.** ``parallel.launch.volume_claim`` names a ReadWriteMany PersistentVolumeClaim,
+  mounted on every pod at ``volume_mount``; the run directory is ``<volume_mount>/runs/<recipe>/<name>``
+  on it (the job's command carries ``run_dir=``), so it follows the job. The trainer checks at
+  start-up that every rank sees it (``portatrain.rundir``).
+* **Restarts with resume.** The command carries ``checkpoint.resume=auto``. JobSet: a failed pod
+  fails its Job (``backoffLimit: 0``) and the JobSet recreates all of them, up to ``max_restarts``
+  times; a pod evicted by a disruption (preemption, maintenance) restarts the JobSet without counting
+  (``podFailurePolicy`` on ``DisruptionTarget`` + ``RestartJobSetAndIgnoreMaxRestarts``). PyTorchJob:
+  ``restartPolicy: OnFailure`` with ``runPolicy.backoffLimit: max_restarts``.
+  ``terminationGracePeriodSeconds`` is ``save_grace`` + 30 s and torchrun's ``--shutdown-timeout`` is
+  ``save_grace``: the SIGTERM before an eviction leaves the workers time to save.
+* **Node rank from the pod index**, so rank 0 (metrics, the checkpoint index) has a fixed home:
+  torchrun's static rendezvous with ``--node-rank`` = the Indexed Job's ``JOB_COMPLETION_INDEX``
+  (JobSet, via TorchTPU's launch step) or the training operator's ``PET_NODE_RANK`` (master 0,
+  worker i -> i + 1; kubeflow/training-operator v1.9.0 ``pkg/controller.v1/pytorch/envvar.go``).
+* **Resources.** CPU and memory requests (``cpu``, ``memory``: the pod is not BestEffort, evicted
+  first); the accelerators; EFA (``vpc.amazonaws.com/efa``) for multi-node jobs on AWS.
 
-The TPU names follow GKE's documentation; that ``torch_tpu`` is launched one process per chip with
-torchrun is an assumption we could not verify without the hardware (see README).
+TPU (``jobset``): GKE's node selectors ``cloud.google.com/gke-tpu-accelerator`` and
+``gke-tpu-topology``, checked against each other (generation, dimensions, chips per host); the pod
+requests the host's chips (``google.com/tpu``); ``procs_per_node`` is devices per host (TPU7x has 2
+devices per chip). TorchTPU needs its launch environment (slice-builder addresses, topology,
+profiling session) decided before the workers spawn: the container runs
+``python -m torch.tpu.distributed`` (torch_tpu 0.2.0 wheel,
+``torch_tpu/_internal/distributed/distributed.py``), which prints it as shell assignments, with
+``TPU_WORKER_HOSTNAMES`` (the pods' DNS names, which the step requires on multi-host),
+``TORCH_TPU_DEVICES_PER_HOST`` and ``MASTER_PORT`` given; it derives ``NODE_RANK`` from
+``JOB_COMPLETION_INDEX`` and ``MASTER_ADDR`` from the first host name.
+
+Trainium (``pytorchjob``, ``device=neuron``): one rank per logical NeuronCore, 64 on a
+trn2.48xlarge at the default LNC=2 (4 per Trainium2 chip); the pod requests chips
+(``aws.amazon.com/neuron``) and, multi-node, the instance's 16 EFA interfaces (AWS Neuron docs:
+``deploy/eks``, the trn2 node-group template of aws-neuron-eks-samples). GPU (``device=cuda``):
+``nvidia.com/gpu`` per process; a multi-node GPU job must say whether it has EFA
+(``parallel.launch.efa``).
+
+Tested against the published CRD schemas (JobSet v0.12.0 and main, Kubeflow PyTorchJob v1.9.0) in
+``tests/test_kubernetes.py``; not run on a real cluster here.
 """
 
 from __future__ import annotations
 
 import math
+import random
+import re
+import shlex
+import string
+import subprocess
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import yaml
 
-from portatrain.launch import describe_job, job_name, torchrun_args
+from portatrain.launch import (
+    RenderedJob,
+    SubmittedJob,
+    describe_job,
+    job_overrides,
+    launch_setting,
+)
 
-PYTORCHJOB_RESOURCES = {"cuda": "nvidia.com/gpu", "neuron": "aws.amazon.com/neuroncore"}
-"""Device type -> the extended resource a PyTorchJob pod requests, one per process."""
+PYTORCHJOB_RESOURCES = {"cuda": "nvidia.com/gpu", "neuron": "aws.amazon.com/neuron"}
+"""Device type -> the extended resource a PyTorchJob pod requests."""
 TPU_RESOURCE = "google.com/tpu"
-_CONTAINER_PORT = 29500
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+
+NEURON_CORES_PER_CHIP = 4
+"""Logical NeuronCores (ranks) per Trainium2 chip at the default LNC=2 (AWS Neuron docs,
+``logical-neuroncore-config``)."""
+NEURON_RANKS_PER_INSTANCE = 64
+"""Ranks on a trn2.48xlarge: 16 chips x 4 logical NeuronCores (AWS Neuron docs)."""
+TRN2_EFA_INTERFACES = 16
+"""EFA interfaces of a trn2.48xlarge (aws-neuron-eks-samples trn2 node-group template); all of them
+go to the container (AWS Neuron docs, ``deploy/faq``)."""
+
+# GKE's gke-tpu-accelerator label -> (topology dimensions, chips per host of a multi-host slice,
+# chips of the largest single-host slice, devices per chip). Devices per chip: TPU7x splits each
+# chip's two cores into two devices (torch_tpu 0.2.0, torch_tpu/_internal/utils/hardware.py).
+TPU_ACCELERATORS: dict[str, tuple[int, int, int, int]] = {
+    "tpu-v4-podslice": (3, 4, 4, 1),
+    "tpu-v5-lite-podslice": (2, 4, 8, 1),  # v5e
+    "tpu-v5p-slice": (3, 4, 4, 1),
+    "tpu-v6e-slice": (2, 4, 8, 1),
+    "tpu7x": (3, 4, 4, 2),
+}
+
+MAX_NAME = 45
+"""JobSet pod names ``<jobset>-<replicated job>-<job index>-<pod index>-<5 random>`` must fit 63."""
+# The training operator reads MASTER_PORT from the container port of this name (v1.9.0,
+# pkg/apis/kubeflow.org/v1/pytorch_types.go PyTorchJobDefaultPortName).
+_PORT_NAMES = {"pytorchjob": "pytorchjob-port", "jobset": "rendezvous"}
+_RUN_VOLUME = "run-dir"
+
+
+# -- names ------------------------------------------------------------------------------------------
+def unique_job_name(base: str, *, now: float | None = None, rng: random.Random | None = None) -> str:
+    """``<base>-<yymmdd-hhmmss>-<3 random>``: unique per submission, DNS-1035, <= 45 characters."""
+    stamp = time.strftime("%y%m%d-%H%M%S", time.gmtime(now))
+    tail = "".join(
+        (rng or random.SystemRandom()).choice(string.ascii_lowercase + string.digits) for _ in range(3)
+    )
+    suffix = f"-{stamp}-{tail}"
+    clean = re.sub(r"[^a-z0-9-]+", "-", base.lower()).strip("-")
+    if not clean or not clean[0].isalpha():
+        clean = f"pt-{clean}".rstrip("-")
+    clean = clean[: MAX_NAME - len(suffix)].rstrip("-")
+    return clean + suffix
+
+
+def is_dns1035(name: str, max_length: int = 63) -> bool:
+    """A DNS-1035 label: lower-case letters, digits and ``-``, a letter first, no ``-`` last."""
+    return len(name) <= max_length and re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) is not None
+
+
+def run_dir_for(cfg: Any, name: str) -> str:
+    """The run directory of job ``name``: on the shared volume, named after the job."""
+    mount = str(launch_setting(cfg.parallel.launch, "volume_mount")).rstrip("/")
+    return f"{mount}/runs/{cfg.recipe}/{name}"
+
+
+# -- validation ---------------------------------------------------------------------------------------
+def _tpu_layout(accelerator: str, topology: str) -> tuple[int, int, int] | str:
+    """(hosts, chips per host, devices per chip) of a slice, or why the pair is inconsistent."""
+    if accelerator not in TPU_ACCELERATORS:
+        return (
+            f"parallel.launch.tpu_accelerator={accelerator!r} is not a GKE TPU accelerator; "
+            f"choose one of {', '.join(TPU_ACCELERATORS)}"
+        )
+    dims, per_host, single_host_max, devices_per_chip = TPU_ACCELERATORS[accelerator]
+    parts = str(topology).split("x")
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        return f"parallel.launch.tpu_topology={topology!r} must look like 2x2x2 (3-D) or 2x4 (2-D)"
+    if len(parts) != dims:
+        fitting = [a for a, spec in TPU_ACCELERATORS.items() if spec[0] == len(parts)]
+        return (
+            f"parallel.launch.tpu_topology={topology} is {len(parts)}-D, but "
+            f"tpu_accelerator={accelerator} slices are {dims}-D; set parallel.launch.tpu_accelerator to "
+            f"one of {', '.join(fitting)}, or a {dims}-D topology"
+        )
+    chips = math.prod(int(p) for p in parts)
+    if chips <= single_host_max:
+        return 1, chips, devices_per_chip
+    if chips % per_host:
+        return f"parallel.launch.tpu_topology={topology} has {chips} chips, not a multiple of {per_host} per host"
+    return chips // per_host, per_host, devices_per_chip
 
 
 def problems(cfg: Any) -> list[str]:
@@ -43,79 +165,172 @@ def problems(cfg: Any) -> list[str]:
             f"parallel.launch.scheduler={launch.scheduler} needs a container image: set "
             "parallel.launch.image=REGISTRY/IMAGE:TAG (an image with portatrain installed)"
         )
-    if launch.scheduler == "pytorchjob" and cfg.device.type not in PYTORCHJOB_RESOURCES:
+    if not launch_setting(launch, "volume_claim"):
         found.append(
-            f"parallel.launch.scheduler=pytorchjob requests one accelerator per process, but device="
-            f"{cfg.device.type} names none; set device=cuda (GPU nodes) or device=neuron (Trainium nodes)"
+            "a Kubernetes job needs shared storage for its run directory (checkpoints must outlive a pod "
+            "and be written by every pod): set parallel.launch.volume_claim=CLAIM, a ReadWriteMany "
+            f"PersistentVolumeClaim in namespace {launch.namespace}"
         )
+    restarts = launch_setting(launch, "max_restarts")
+    if not isinstance(restarts, int) or restarts < 0:
+        found.append(f"parallel.launch.max_restarts={restarts!r} must be a whole number >= 0")
+    if launch.scheduler == "pytorchjob":
+        found += _pytorchjob_problems(cfg)
     if launch.scheduler == "jobset":
         if cfg.device.type not in ("tpu", "auto"):
             found.append(
                 f"parallel.launch.scheduler=jobset renders a TPU slice, but device={cfg.device.type}; "
                 "set device=tpu, or use parallel.launch.scheduler=pytorchjob for GPU/Trainium nodes"
             )
-        try:
-            chips = math.prod(int(d) for d in str(launch.tpu_topology).split("x"))
-        except ValueError:
-            found.append(f"parallel.launch.tpu_topology={launch.tpu_topology!r} must look like 2x2x2")
+        layout = _tpu_layout(launch.tpu_accelerator, launch.tpu_topology)
+        if isinstance(layout, str):
+            found.append(layout)
         else:
-            if chips != launch.nodes * launch.procs_per_node:
+            hosts, chips_per_host, devices_per_chip = layout
+            devices = chips_per_host * devices_per_chip
+            if (launch.nodes, launch.procs_per_node) != (hosts, devices):
                 found.append(
-                    f"parallel.launch.tpu_topology={launch.tpu_topology} has {chips} chips but "
-                    f"nodes({launch.nodes}) * procs_per_node({launch.procs_per_node}) = "
-                    f"{launch.nodes * launch.procs_per_node}; set nodes to {chips} / chips per host"
+                    f"tpu_topology={launch.tpu_topology} on {launch.tpu_accelerator} is {hosts} host(s) x "
+                    f"{chips_per_host} chip(s) x {devices_per_chip} device(s) per chip, but nodes="
+                    f"{launch.nodes} and procs_per_node={launch.procs_per_node}; set "
+                    f"parallel.launch.nodes={hosts} parallel.launch.procs_per_node={devices} "
+                    "(one process per device)"
                 )
     return found
 
 
-def _container(cfg: Any, name: str, command: list[str], resource: str) -> dict[str, Any]:
+def _pytorchjob_problems(cfg: Any) -> list[str]:
     launch = cfg.parallel.launch
-    count = launch.procs_per_node
+    found = []
+    if cfg.device.type not in PYTORCHJOB_RESOURCES:
+        found.append(
+            f"parallel.launch.scheduler=pytorchjob requests one accelerator per process, but device="
+            f"{cfg.device.type} names none; set device=cuda (GPU nodes) or device=neuron (Trainium nodes)"
+        )
+    elif cfg.device.type == "neuron":
+        ranks = launch.procs_per_node
+        if ranks % NEURON_CORES_PER_CHIP or ranks > NEURON_RANKS_PER_INSTANCE:
+            found.append(
+                f"parallel.launch.procs_per_node={ranks}: Trainium runs one process per logical NeuronCore, "
+                f"{NEURON_CORES_PER_CHIP} per Trainium2 chip (LNC=2), {NEURON_RANKS_PER_INSTANCE} on a "
+                f"trn2.48xlarge; set procs_per_node={NEURON_RANKS_PER_INSTANCE} (a whole instance) or a "
+                f"multiple of {NEURON_CORES_PER_CHIP}"
+            )
+    elif launch.nodes > 1 and launch_setting(launch, "efa") is None:
+        found.append(
+            f"a {launch.nodes}-node GPU job needs RDMA for its collectives, or NCCL falls back to TCP: set "
+            f"parallel.launch.efa=N (the instance's EFA interfaces, {EFA_RESOURCE}, on EKS), or "
+            "parallel.launch.efa=0 on a cluster without EFA"
+        )
+    efa = launch_setting(launch, "efa")
+    if efa is not None and (not isinstance(efa, int) or efa < 0):
+        found.append(f"parallel.launch.efa={efa!r} must be a whole number >= 0 (EFA interfaces per pod)")
+    return found
+
+
+# -- manifests ----------------------------------------------------------------------------------------
+def _efa(cfg: Any) -> int:
+    launch = cfg.parallel.launch
+    efa = launch_setting(launch, "efa")
+    if efa is not None:
+        return int(efa)
+    return TRN2_EFA_INTERFACES if cfg.device.type == "neuron" and launch.nodes > 1 else 0
+
+
+def _resources(cfg: Any, accelerator: str, count: int) -> dict[str, Any]:
+    launch = cfg.parallel.launch
+    extended = {accelerator: count}
+    if cfg.parallel.launch.scheduler == "pytorchjob" and _efa(cfg):
+        extended[EFA_RESOURCE] = _efa(cfg)
+    requests = {
+        "cpu": str(launch_setting(launch, "cpu")),
+        "memory": str(launch_setting(launch, "memory")),
+        **extended,
+    }
+    return {"requests": requests, "limits": dict(extended)}  # extended resources: limits == requests
+
+
+def _container(cfg: Any, name: str, script: str, resources: dict[str, Any], env: dict[str, str]) -> dict:
+    launch = cfg.parallel.launch
+    all_env = {**env, **{k: str(v) for k, v in launch.env.items()}}
     container: dict[str, Any] = {
         "name": name,
         "image": launch.image,
-        "command": command,
-        "resources": {"limits": {resource: count}, "requests": {resource: count}},
-        "ports": [{"containerPort": launch.rdzv_port, "name": "rendezvous"}],
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],  # data-loader workers share memory
+        "command": ["bash", "-c", script],
+        "resources": resources,
+        "ports": [{"containerPort": launch.rdzv_port, "name": _PORT_NAMES[launch.scheduler]}],
+        "volumeMounts": [
+            {"name": _RUN_VOLUME, "mountPath": str(launch_setting(launch, "volume_mount"))},
+            {"name": "dshm", "mountPath": "/dev/shm"},  # data-loader workers share memory
+        ],
     }
-    env = [{"name": k, "value": str(v)} for k, v in launch.env.items()]
-    if env:
-        container["env"] = env
-    if launch.setup:  # shell set-up lines: run the command through bash after them
-        script = " && ".join([*launch.setup, 'exec "$@"'])
-        container["command"] = ["bash", "-c", script, "--", *command]
+    if all_env:
+        container["env"] = [{"name": k, "value": v} for k, v in all_env.items()]
     return container
 
 
-_SHM_VOLUME = {"name": "dshm", "emptyDir": {"medium": "Memory"}}
+def _volumes(cfg: Any) -> list[dict[str, Any]]:
+    claim = launch_setting(cfg.parallel.launch, "volume_claim")
+    return [
+        {"name": _RUN_VOLUME, "persistentVolumeClaim": {"claimName": str(claim)}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    ]
 
 
-def render_jobset(cfg: Any, overrides: Sequence[str]) -> str:
+def _script(cfg: Any, steps: list[str], torchrun: list[str], overrides: Sequence[str]) -> str:
+    """``setup && launch steps && exec torchrun ... -m portatrain ...``; ``exec`` makes torchrun the
+    container's main process, so the kubelet's SIGTERM reaches it (and through it the workers)."""
+    command = " ".join([*torchrun, "-m", "portatrain", *(shlex.quote(o) for o in overrides)])
+    return " && ".join([*cfg.parallel.launch.setup, *steps, f"exec {command}"])
+
+
+def _grace(cfg: Any) -> int:
+    return int(launch_setting(cfg.parallel.launch, "save_grace"))
+
+
+def render_jobset(cfg: Any, overrides: Sequence[str], name: str) -> str:
     """A JobSet running ``portatrain <overrides>`` on a TPU slice of ``nodes`` hosts."""
     launch = cfg.parallel.launch
-    name = job_name(cfg)
-    head = f"{name}-workers-0-0.{name}"  # JobSet's DNS name of the first pod
-    command = [
+    _, chips_per_host, _ = _tpu_layout(launch.tpu_accelerator, launch.tpu_topology)  # type: ignore[misc]
+    hosts = [f"{name}-workers-0-{i}.{name}" for i in range(launch.nodes)]  # JobSet's pod DNS names
+    env = {
+        "TPU_WORKER_HOSTNAMES": ",".join(hosts),
+        "TORCH_TPU_DEVICES_PER_HOST": str(launch.procs_per_node),
+        "MASTER_PORT": str(launch.rdzv_port),
+    }
+    launch_env = [
+        # TorchTPU's launch step prints TORCH_TPU_* (exported to the workers), NNODES, NODE_RANK
+        # (= JOB_COMPLETION_INDEX), MASTER_ADDR (the first host) and MASTER_PORT.
+        "tpu_env=$(python -m torch.tpu.distributed)",
+        'set -a && eval "$tpu_env" && set +a',
+    ]
+    torchrun = [
         "torchrun",
-        *torchrun_args(
-            nnodes=launch.nodes,
-            nproc_per_node=launch.procs_per_node,
-            rdzv_endpoint=f"{head}:{launch.rdzv_port}",
-            rdzv_id=name,
-        ),
-        "-m",
-        "portatrain",
-        *overrides,
+        '--nnodes="$NNODES"',
+        '--node-rank="$NODE_RANK"',
+        f"--nproc-per-node={launch.procs_per_node}",
+        '--master-addr="$MASTER_ADDR"',
+        '--master-port="$MASTER_PORT"',
+        f"--rdzv-id={name}",
+        f"--shutdown-timeout={_grace(cfg)}",
     ]
     pod_spec = {
         "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": _grace(cfg) + 30,
         "nodeSelector": {
             "cloud.google.com/gke-tpu-accelerator": launch.tpu_accelerator,
             "cloud.google.com/gke-tpu-topology": launch.tpu_topology,
         },
-        "containers": [_container(cfg, "portatrain", command, TPU_RESOURCE)],
-        "volumes": [_SHM_VOLUME],
+        "containers": [
+            _container(
+                cfg,
+                "portatrain",
+                _script(cfg, launch_env, torchrun, overrides),
+                _resources(cfg, TPU_RESOURCE, chips_per_host),
+                env,
+            )
+        ],
+        "volumes": _volumes(cfg),
     }
     manifest = {
         "apiVersion": "jobset.x-k8s.io/v1alpha2",
@@ -123,11 +338,22 @@ def render_jobset(cfg: Any, overrides: Sequence[str]) -> str:
         "metadata": {
             "name": name,
             "namespace": launch.namespace,
+            "labels": {"app.kubernetes.io/name": "portatrain", "portatrain/recipe": str(cfg.recipe)},
             # One slice per node pool: no two jobs share the slice's hosts.
             "annotations": {"alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"},
         },
         "spec": {
-            "failurePolicy": {"maxRestarts": 0},
+            "failurePolicy": {
+                "maxRestarts": int(launch_setting(launch, "max_restarts")),
+                # An evicted pod (preemption, maintenance) restarts everything without using up a restart.
+                "rules": [
+                    {
+                        "name": "disruption",
+                        "action": "RestartJobSetAndIgnoreMaxRestarts",
+                        "onJobFailureReasons": ["PodFailurePolicy"],
+                    }
+                ],
+            },
             "network": {"enableDNSHostnames": True},
             "replicatedJobs": [
                 {
@@ -138,7 +364,12 @@ def render_jobset(cfg: Any, overrides: Sequence[str]) -> str:
                             "parallelism": launch.nodes,
                             "completions": launch.nodes,
                             "completionMode": "Indexed",
-                            "backoffLimit": 0,
+                            "backoffLimit": 0,  # a failed pod fails the Job; the JobSet restarts all
+                            "podFailurePolicy": {
+                                "rules": [
+                                    {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget"}]}
+                                ]
+                            },
                             "template": {"spec": pod_spec},
                         }
                     },
@@ -149,33 +380,38 @@ def render_jobset(cfg: Any, overrides: Sequence[str]) -> str:
     return _dump(manifest, cfg, "JobSet")
 
 
-def render_pytorchjob(cfg: Any, overrides: Sequence[str]) -> str:
+def render_pytorchjob(cfg: Any, overrides: Sequence[str], name: str) -> str:
     """A Kubeflow PyTorchJob running ``portatrain <overrides>`` on ``nodes`` GPU or Trainium hosts."""
     launch = cfg.parallel.launch
-    name = job_name(cfg)
-    command = [
+    torchrun = [
         "torchrun",
-        *torchrun_args(
-            nnodes=launch.nodes,
-            nproc_per_node=launch.procs_per_node,
-            rdzv_endpoint="$(PET_MASTER_ADDR):$(PET_MASTER_PORT)",
-            rdzv_id=name,
-        ),
-        "-m",
-        "portatrain",
-        *overrides,
+        # Set by the training operator for every pod: master 0, workers 1.. (static rendezvous).
+        "--nnodes=$(PET_NNODES)",
+        "--node-rank=$(PET_NODE_RANK)",
+        f"--nproc-per-node={launch.procs_per_node}",
+        "--master-addr=$(PET_MASTER_ADDR)",
+        "--master-port=$(PET_MASTER_PORT)",
+        f"--rdzv-id={name}",
+        f"--shutdown-timeout={_grace(cfg)}",
     ]
-    resource = PYTORCHJOB_RESOURCES[cfg.device.type]
+    if cfg.device.type == "neuron":
+        resources = _resources(
+            cfg, PYTORCHJOB_RESOURCES["neuron"], launch.procs_per_node // NEURON_CORES_PER_CHIP
+        )
+    else:
+        resources = _resources(cfg, PYTORCHJOB_RESOURCES["cuda"], launch.procs_per_node)
+    container = _container(cfg, "pytorch", _script(cfg, [], torchrun, overrides), resources, {})
 
     def replica(count: int) -> dict[str, Any]:
         return {
             "replicas": count,
-            "restartPolicy": "Never",
+            "restartPolicy": "OnFailure",
             "template": {
                 "spec": {
+                    "terminationGracePeriodSeconds": _grace(cfg) + 30,
                     # The training operator finds the container by this name.
-                    "containers": [_container(cfg, "pytorch", command, resource)],
-                    "volumes": [_SHM_VOLUME],
+                    "containers": [container],
+                    "volumes": _volumes(cfg),
                 }
             },
         }
@@ -186,10 +422,17 @@ def render_pytorchjob(cfg: Any, overrides: Sequence[str]) -> str:
     manifest = {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
-        "metadata": {"name": name, "namespace": launch.namespace},
+        "metadata": {
+            "name": name,
+            "namespace": launch.namespace,
+            "labels": {"app.kubernetes.io/name": "portatrain", "portatrain/recipe": str(cfg.recipe)},
+        },
         "spec": {
             "nprocPerNode": str(launch.procs_per_node),
-            "runPolicy": {"backoffLimit": 0, "cleanPodPolicy": "None"},
+            "runPolicy": {
+                "backoffLimit": int(launch_setting(launch, "max_restarts")),
+                "cleanPodPolicy": "None",
+            },
             "pytorchReplicaSpecs": specs,
         },
     }
@@ -202,20 +445,54 @@ class _Dumper(yaml.SafeDumper):
 
 
 def _dump(manifest: dict[str, Any], cfg: Any, kind: str) -> str:
+    name = manifest["metadata"]["name"]
     header = (
-        f"# portatrain {kind}: {describe_job(cfg)}.\n"
-        "# Rendered by `portatrain render`; submit with `kubectl apply -f FILE`.\n"
+        f"# portatrain {kind} {name}: {describe_job(cfg)}.\n"
+        f"# Run directory: {run_dir_for(cfg, name)} on volume claim "
+        f"{launch_setting(cfg.parallel.launch, 'volume_claim')}; restarts resume from its newest checkpoint.\n"
+        "# Rendered by `portatrain render`; submit with `kubectl create -f FILE` (a new name per rendering).\n"
     )
     return header + yaml.dump(manifest, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
 
 
-def render(cfg: Any, overrides: Sequence[str]) -> Any:
-    """The JobSet or PyTorchJob for ``cfg`` (``parallel.launch.scheduler``)."""
-    from portatrain.launch import RenderedJob, job_overrides
-
-    args = job_overrides(overrides)
+def render(cfg: Any, overrides: Sequence[str]) -> RenderedJob:
+    """The JobSet or PyTorchJob for ``cfg`` (``parallel.launch.scheduler``), with a fresh name."""
+    name = unique_job_name(cfg.parallel.launch.job_name or f"portatrain-{cfg.recipe}")
+    run_dir = run_dir_for(cfg, name)
+    args = job_overrides(overrides, run_dir=run_dir)
     if cfg.parallel.launch.scheduler == "jobset":
-        text = render_jobset(cfg, args)
+        text = render_jobset(cfg, args, name)
     else:
-        text = render_pytorchjob(cfg, args)
-    return RenderedJob(text, "job.yaml", ("kubectl", "apply", "-f"), name=job_name(cfg))
+        text = render_pytorchjob(cfg, args, name)
+    return RenderedJob(text, "job.yaml", ("kubectl", "create", "-f"), name=name, run_dir=run_dir)
+
+
+def follow_command(cfg: Any, name: str) -> str:
+    """``kubectl logs -f`` of rank 0's pod (pod index 0: the JobSet's first pod, the PyTorchJob master)."""
+    ns = shlex.quote(cfg.parallel.launch.namespace)
+    if cfg.parallel.launch.scheduler == "jobset":
+        selector = f"jobset.sigs.k8s.io/jobset-name={name},batch.kubernetes.io/job-completion-index=0"
+        return f"kubectl logs -f -n {ns} -l {selector}"
+    return f"kubectl logs -f -n {ns} {name}-master-0"
+
+
+def submit(cfg: Any, job: RenderedJob) -> SubmittedJob:
+    """``kubectl create -f`` the job (from ``parallel.launch.output`` when set, else stdin)."""
+    from portatrain.launch import SubmitError
+
+    output = cfg.parallel.launch.output
+    if output:
+        path = Path(output)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(job.text)
+        argv, text_input = ["kubectl", "create", "-f", str(path)], None
+    else:
+        argv, text_input = ["kubectl", "create", "-f", "-"], job.text
+    result = subprocess.run(argv, input=text_input, text=True, capture_output=True)
+    if result.returncode != 0:
+        raise SubmitError(
+            f"the cluster rejected the job (`{shlex.join(argv)}` exited with {result.returncode}): "
+            f"{result.stderr.strip() or 'no reason given'}"
+        )
+    claim = launch_setting(cfg.parallel.launch, "volume_claim")
+    return SubmittedJob(job.name, f"{job.run_dir} (volume claim {claim})", follow_command(cfg, job.name))
