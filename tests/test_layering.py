@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("accelerators", "data"),  # device adapters; the data pipeline
     ("distributed", "parallel", "kernels"),  # process groups; parallel dims, mesh, FSDP/TP; kernel overrides
     ("models",),  # model families (their parallelize.py uses parallel/)
-    ("compile", "optim", "profiling", "metrics", "checkpoint", "rundir"),  # stages the trainer uses
+    ("compile", "losses", "optim", "profiling", "metrics", "checkpoint", "rundir"),  # stages the trainer uses
     ("trainer", "plan", "export", "audit"),  # the loop; the dry run; HF export; static audit
     ("bench", "launch"),  # commands' engines built on the trainer / the layout
     ("validate",),  # asks every stage for its problems

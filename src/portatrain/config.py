@@ -154,7 +154,18 @@ class TrainerConfig:
     """Compute precision: ``auto`` (the accelerator's default: bf16 on accelerators, fp32 on CPU),
     ``float32`` or ``bfloat16``."""
     progress: bool = True
-    """Show a live progress bar (rank 0 only)."""
+    """Show progress (rank 0 only): a live bar on a terminal, one log line per ``log_every`` steps
+    when stderr is a file or pipe (SLURM output, CI)."""
+    on_nonfinite: str = "stop"
+    """A step whose loss or gradient norm is NaN/inf: ``stop`` (raise before anything non-finite is
+    saved; exit 2) or ``skip_step`` (leave weights and optimizer state as they were, count and log it)."""
+    loss: str = "plain"
+    """Next-token loss: ``plain`` (cross-entropy over the model's full logits, through the
+    ``compute_loss`` hook) or ``chunked`` (``portatrain.losses``: the output projection and the loss
+    taken ``loss_chunk_size`` positions at a time, never the full ``[B, S, vocab]`` logits; used only
+    when ``compute_loss`` is not overridden)."""
+    loss_chunk_size: int = 1024
+    """Positions per chunk of ``trainer.loss=chunked`` (peak extra memory ~ 2 x chunk x vocab x 4 bytes)."""
 
 
 @dataclass

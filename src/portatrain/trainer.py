@@ -9,6 +9,11 @@ Hooks (override in a subclass; each has one job):
     Return the **sum** of per-token losses of one micro-batch over its ``labels != -100``
     positions. The trainer divides by the number of target tokens in the whole optimizer step,
     so gradient accumulation and padding never change the loss scale.
+    With ``trainer.loss=chunked`` (``portatrain.losses``) the loss is taken inside the model's
+    forward, chunk by chunk, and no full logits exist: this hook is then not called -- unless a
+    subclass overrides it, in which case the plain path runs so the override sees its logits.
+``forward_loss(batch)``
+    Forward one micro-batch and return its loss sum (the plain or the chunked path above).
 ``forward_backward(batch, num_tokens)``
     Forward one micro-batch, ``backward()`` its share of the step loss, return the loss sum (detached).
 ``train_step(batches)``
@@ -33,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 from tqdm import tqdm
@@ -55,6 +59,7 @@ from portatrain.distributed import destroy_distributed, dist_info_from_env, init
 from portatrain.dtypes import dtype_from_name
 from portatrain.kernels import apply as apply_kernels
 from portatrain.kernels import resolve as resolve_kernels
+from portatrain.losses import chunked_loss_fn, cross_entropy_sum
 from portatrain.metrics import (
     MetricsLogger,
     memory_metrics,
@@ -127,6 +132,13 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, fused=self.accelerator.fused_adamw)
         # Read here, not per step: a DictConfig attribute read costs ~10 us.
         self._max_grad_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+        # trainer.loss=chunked: positions per chunk, or None for the plain loss. An overridden
+        # compute_loss keeps the plain path: its contract hands it the full logits.
+        self._loss_chunk_size = (
+            int(cfg.trainer.loss_chunk_size)
+            if cfg.trainer.loss == "chunked" and type(self).compute_loss is Trainer.compute_loss
+            else None
+        )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optim, cfg.trainer.steps)
         self.checkpointer = Checkpointer(
             self.run_dir / "checkpoints",
@@ -178,16 +190,25 @@ class Trainer:
 
     def compute_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Sum of next-token cross-entropy over positions whose label is not -100."""
-        return F.cross_entropy(
-            logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100, reduction="sum"
-        )
+        return cross_entropy_sum(logits, batch["labels"])
+
+    def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The loss sum of one micro-batch: ``compute_loss(model(...), batch)``, or with
+        ``trainer.loss=chunked`` the model's forward ending in the chunked loss (no full logits)."""
+        inputs = {"positions": batch.get("positions"), "attn_mask": batch.get("attn_mask")}
+        if self._loss_chunk_size is not None:
+            with self._autocast():
+                return self.model(
+                    batch["input_ids"],
+                    **inputs,
+                    output_fn=chunked_loss_fn(batch["labels"], self._loss_chunk_size),
+                )
+        with self._autocast():
+            logits = self.model(batch["input_ids"], **inputs)
+        return self.compute_loss(logits, batch)
 
     def forward_backward(self, batch: dict[str, torch.Tensor], num_tokens: torch.Tensor) -> torch.Tensor:
-        with self._autocast():
-            logits = self.model(
-                batch["input_ids"], positions=batch.get("positions"), attn_mask=batch.get("attn_mask")
-            )
-        loss_sum = self.compute_loss(logits, batch)
+        loss_sum = self.forward_loss(batch)
         (loss_sum / num_tokens).backward()
         return loss_sum.detach()
 
@@ -215,11 +236,7 @@ class Trainer:
             if i >= self.cfg.trainer.eval_batches:
                 break
             batch = self._to_device(batch)
-            with self._autocast():
-                logits = self.model(
-                    batch["input_ids"], positions=batch.get("positions"), attn_mask=batch.get("attn_mask")
-                )
-            loss_sum += self.compute_loss(logits, batch)
+            loss_sum += self.forward_loss(batch)
             count += int((batch["labels"] != -100).sum())
         self.model.train()
         loss_sum, count = self._all_reduce_sum(loss_sum), self._all_reduce_sum(torch.tensor(float(count)))

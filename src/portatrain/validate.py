@@ -12,11 +12,12 @@ from __future__ import annotations
 from portatrain.accelerators import ACCELERATORS
 from portatrain.bench import bench_problems
 from portatrain.compile import compile_problems
-from portatrain.config import Config, DataConfig, TrainerConfig
+from portatrain.config import CheckpointConfig, Config, DataConfig, TrainerConfig
 from portatrain.data.config import config_problems as data_problems
 from portatrain.dtypes import dtype_problem
 from portatrain.errors import ConfigError
 from portatrain.kernels import config_problems as kernel_problems
+from portatrain.losses import loss_problems
 from portatrain.models import model_args, model_problems
 from portatrain.optim import optim_problems
 from portatrain.parallel.activation_checkpoint import AC_MODES
@@ -38,6 +39,7 @@ def config_problems(cfg: Config) -> list[str]:
     problems += model_problems(cfg.model)
     problems += optim_problems(cfg.optim)
     problems += trainer_problems(cfg.trainer)
+    problems += checkpoint_problems(cfg.checkpoint)
     problems += compile_problems(cfg.compile)
     problems += kernel_problems(list(cfg.kernels.enabled), cfg.device.type)
     problems += profile_problems(cfg.profile)
@@ -83,6 +85,36 @@ def trainer_problems(trainer: TrainerConfig) -> list[str]:
     for key in ("steps", "grad_accum", "log_every"):
         if getattr(trainer, key) <= 0:
             problems.append(f"trainer.{key}={getattr(trainer, key)} must be positive")
+    problems += _trainer_run_problems(trainer)
+    problems += loss_problems(trainer.loss, trainer.loss_chunk_size)
+    return problems
+
+
+def _trainer_run_problems(trainer: TrainerConfig) -> list[str]:
+    """What trainer_problems adds for reliability: meaningless eval settings, the non-finite policy."""
+    from portatrain.trainer import NONFINITE_MODES  # the stage that acts on it owns the choices
+
+    problems = []
+    if trainer.eval_every < 0:
+        problems.append(f"trainer.eval_every={trainer.eval_every} must be >= 0 (0 disables evaluation)")
+    if trainer.eval_every and trainer.eval_batches <= 0:
+        problems.append(
+            f"trainer.eval_batches={trainer.eval_batches} must be positive when trainer.eval_every="
+            f"{trainer.eval_every} (set trainer.eval_every=0 to disable evaluation)"
+        )
+    if trainer.on_nonfinite not in NONFINITE_MODES:
+        problems.append(
+            f"trainer.on_nonfinite={trainer.on_nonfinite!r} is not one of {', '.join(NONFINITE_MODES)}"
+        )
+    return problems
+
+
+def checkpoint_problems(checkpoint: CheckpointConfig) -> list[str]:
+    problems = []
+    if checkpoint.every < 0:
+        problems.append(f"checkpoint.every={checkpoint.every} must be >= 0 (0 saves only at the end)")
+    if checkpoint.keep < 0:
+        problems.append(f"checkpoint.keep={checkpoint.keep} must be >= 0 (0 keeps every checkpoint)")
     return problems
 
 

@@ -32,6 +32,7 @@ filled, but call :meth:`Llama.init_weights` for the initialization this file int
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -483,8 +484,9 @@ class Llama(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
+        output_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Logits ``[B, S, vocab_size]`` in the compute dtype.
+        """Logits ``[B, S, vocab_size]`` in the compute dtype, or ``output_fn``'s result.
 
         Args:
             tokens: ``[B, S]`` token ids.
@@ -493,6 +495,10 @@ class Llama(nn.Module):
                 ``max_seq_len`` (not checked: that would need a device sync).
             attn_mask: ``[B, 1, S, S]`` boolean, ``True`` where a query may attend to a key (e.g. the
                 packing collator's block-diagonal causal mask); ``None`` is plain causal attention.
+            output_fn: called as ``output_fn(hidden, weight)`` with the final normalized hidden states
+                ``[B, S, dim]`` and the output projection's matrix ``[vocab_size, dim]`` in place of
+                the projection (e.g. ``portatrain.losses``' chunked loss, which never builds the full
+                logits). Inside ``forward``, so FSDP2 has the matrix gathered.
         """
         seq_len = tokens.shape[1]
         if seq_len > self.args.max_seq_len:
@@ -512,6 +518,8 @@ class Llama(nn.Module):
         for block in self.layers.values():
             h = block(h, cos, sin, attn_mask)
         h = self.norm(h)
+        if output_fn is not None:
+            return output_fn(h, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
         if self.lm_head is None:
             return F.linear(h, self.embed_tokens.weight)
         return self.lm_head(h)
