@@ -92,6 +92,7 @@ EXPECTED: dict[str, set[tuple[str, int]]] = {
         ("torch-load-unsafe", 11),
         ("pickle-dump", 13),
         ("pickle-load", 15),
+        ("pickle-load", 35),  # a pickle.Unpickler subclass without an allow-listing find_class
     },
     "aliases.py": {
         ("cuda-api", 11),  # th.cuda.synchronize()
@@ -155,6 +156,21 @@ def fit(model, optimizer, loader):
             print(loss.item())
 """
     assert [(f.rule, f.line) for f in scan_source(source)] == [("host-sync", 16)]
+
+
+def test_module_level_training_loop() -> None:
+    source = """
+import torch
+model, optimizer = torch.nn.Linear(2, 1), None
+while True:
+    loss = model(torch.randn(4, 2)).sum()
+    loss.backward()
+    optimizer.step()
+    losses.append(loss.item())
+    if step % 10 == 0:
+        print(loss.item())
+"""
+    assert [(f.rule, f.line) for f in scan_source(source)] == [("host-sync", 8)]
 
 
 def test_syntax_error_is_a_finding() -> None:
@@ -263,18 +279,18 @@ def test_json_document_is_stable(capsys) -> None:
         "suppressed", "rules",
     }  # fmt: skip
     assert document["summary"] == {
-        "error": 3,
+        "error": 4,
         "warning": 2,
         "info": 0,
         "suppressed": 3,
         "by_rule": {
             "cuda-api": 1,
             "pickle-dump": 1,
-            "pickle-load": 1,
+            "pickle-load": 2,
             "torch-load-implicit": 1,
             "torch-load-unsafe": 1,
         },
-        "by_level": {"0": 4, "1": 1},
+        "by_level": {"0": 5, "1": 1},
     }
     first = document["findings"][0]
     assert set(first) == {
@@ -324,7 +340,7 @@ def test_module_entry_point_runs(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "portatrain.audit", str(FIXTURES / "checkpoints.py"), "--format", "json"]
     proc = subprocess.run([*command, "-o", str(out)], capture_output=True, text=True, env=env, cwd=ROOT)
     assert proc.returncode == 1, proc.stderr
-    assert json.loads(out.read_text())["summary"]["error"] == 2
+    assert json.loads(out.read_text())["summary"]["error"] == 3
 
 
 # -- the worked example and portatrain itself -------------------------------------------------------
@@ -379,7 +395,7 @@ def test_named_files_are_audited_even_when_excluded(tmp_path: Path) -> None:
     ]
 
 
-def test_ported_example_trains_with_label_smoothing(tmp_path: Path) -> None:
+def test_ported_example_trains_with_label_smoothing(tmp_path: Path, monkeypatch) -> None:
     """The port runs as a Trainer subclass: its loss is the label-smoothed sum, it tracks the best
     evaluation loss, and training through it works end to end."""
     import importlib.util
@@ -391,6 +407,7 @@ def test_ported_example_trains_with_label_smoothing(tmp_path: Path) -> None:
 
     spec = importlib.util.spec_from_file_location("ported_train", ROOT / "examples" / "ported_train.py")
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "ported_train", module)  # as `python examples/...` registers __main__
     spec.loader.exec_module(module)
     trainer_cls = module.LabelSmoothingTrainer
 
@@ -415,3 +432,10 @@ def test_ported_example_trains_with_label_smoothing(tmp_path: Path) -> None:
     finally:
         trainer.close()
     assert len(trainer.evals) == 2 and trainer.best_eval_loss == min(trainer.evals)
+
+    # The report audits the code in use: the subclass's file (and this test's, where Recording
+    # lives), never portatrain's own Trainer.
+    from portatrain.audit.sources import trainer_sources
+
+    assert trainer_sources(Recording) == [Path(__file__), ROOT / "examples" / "ported_train.py"]
+    assert trainer_sources(None) == []

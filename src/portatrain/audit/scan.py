@@ -728,12 +728,22 @@ class _FileScan:
         elif qualname.endswith("Backend.NCCL") and parts[0] == "torch":
             self.report("nccl-backend", node, f"`{qualname}` hard-codes the NCCL backend")
         elif parts[0] in _PICKLE_MODULES and len(parts) == 2:
+            if parts[1] == "Unpickler" and self._is_restricted_unpickler_base(node):
+                return  # a subclass whose find_class allow-lists globals is the safe way to unpickle
             if parts[1] in ("load", "loads", "Unpickler"):
                 self.report("pickle-load", node, f"`{qualname}` unpickles, which runs code from the file")
             elif parts[1] in ("dump", "dumps", "Pickler"):
                 self.report("pickle-dump", node, f"`{qualname}` writes a pickle, readable only by unpickling")
         elif qualname == "torch.ops.load_library":
             self.report("cuda-extension", node, "`torch.ops.load_library` loads a compiled custom-op library")
+
+    def _is_restricted_unpickler_base(self, node: ast.AST) -> bool:
+        owner = self.parent.get(id(node))
+        return (
+            isinstance(owner, ast.ClassDef)
+            and any(base is node for base in owner.bases)
+            and any(isinstance(item, ast.FunctionDef) and item.name == "find_class" for item in owner.body)
+        )
 
     def _check_torch_cuda(self, node: ast.AST, qualname: str, rest: list[str]) -> None:
         head = rest[0] if rest else ""
