@@ -4,7 +4,8 @@
 * :mod:`~portatrain.audit.scan` -- the :mod:`ast` scan of one file and of a set of paths;
 * :mod:`~portatrain.audit.config` -- the per-project config (``[tool.portatrain.audit]``);
 * :mod:`~portatrain.audit.formats` -- text, JSON (stable, versioned) and SARIF 2.1.0 output;
-* :mod:`~portatrain.audit.cli` -- ``main(argv) -> exit code``.
+* :mod:`~portatrain.audit.cli` -- ``main(argv) -> exit code``;
+* :mod:`~portatrain.audit.sources` -- the files of a run's own ``Trainer`` subclass (for the report).
 
 Library use: ``audit_paths(["train.py"]).findings``.
 """
