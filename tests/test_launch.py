@@ -83,8 +83,9 @@ def test_sbatch_script_is_valid_bash_with_the_slurm_rendezvous(tmp_path: Path) -
     # Preemption: requeue, an early warning to the batch shell, which signals the step and requeues.
     for directive in ("--requeue", "--signal=B:USR1@180", "--open-mode=append", f"--chdir={tmp_path}"):
         assert f"#SBATCH {directive}\n" in script
-    assert "trap on_time_limit_warning USR1\n" in script
-    assert 'scancel --signal=TERM "$SLURM_JOB_ID"' in script
+    assert "set -euo pipefail\n\n# 180 s before the time limit" in script  # the trap comes first
+    assert "trap on_time_limit_warning USR1  #" in script
+    assert 'scancel --signal=TERM "$SLURM_JOB_ID" || true' in script
     assert 'if ((time_limit_warning)); then\n    scontrol requeue "$SLURM_JOB_ID"\n' in script
     assert "dp_replicate=1 x dp_shard=8 x tp=8 = 64 devices" in script
 
