@@ -22,7 +22,8 @@ class ZLossTrainer(Trainer):
         cross_entropy = super().compute_loss(logits, batch)  # a sum over target tokens, per the hook contract
         mask = batch["labels"] != -100
         log_z = torch.logsumexp(logits.float(), dim=-1)
-        return cross_entropy + self.z_weight * (log_z[mask] ** 2).sum()
+        # torch.where keeps the shape static (log_z[mask] would be data-dependent: a host sync)
+        return cross_entropy + self.z_weight * torch.where(mask, log_z**2, 0.0).sum()
 
     def on_eval_end(self, step: int, metrics: dict[str, float]) -> None:
         print(f"step {step}: eval loss {metrics['eval_loss']:.4f}")
