@@ -16,9 +16,12 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "portatrain"
 
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "config", "dtypes"),  # leaves: import nothing of portatrain
-    ("accelerators", "data"),  # device adapters; the data pipeline
+    ("accelerators",),  # device adapters
     ("distributed", "parallel", "kernels"),  # process groups; parallel dims, mesh, FSDP/TP; kernel overrides
-    ("models",),  # model families (their parallelize.py uses parallel/)
+    (
+        "models",
+        "data",
+    ),  # model families (their parallelize.py uses parallel/); the data pipeline -- independent
     ("compile", "losses", "optim", "profiling", "metrics", "checkpoint", "rundir"),  # stages the trainer uses
     ("trainer", "plan", "export", "audit"),  # the loop; the dry run; HF export; static audit
     ("bench", "launch"),  # commands' engines built on the trainer / the layout
@@ -34,12 +37,18 @@ def test_portatrain_layers_point_down_without_cycles() -> None:
     assert not problems, "\n".join(problems)
 
 
-def test_config_is_a_leaf() -> None:
+def test_config_is_a_leaf_and_models_know_no_stage() -> None:
     from tests.layering import module_imports
 
     imports = module_imports(SRC, "portatrain")
     assert imports["portatrain.config"] == set()
     assert imports["portatrain.errors"] == set()
+    # Models know nothing of compile, data, checkpoints or the trainer (the parallelizer is handed a
+    # compile_block callable), whatever the table's row order.
+    stages = ("compile", "data", "checkpoint", "trainer")
+    for module, targets in imports.items():
+        if module.startswith("portatrain.models"):
+            assert not [t for t in targets if t.split(".")[1] in stages], module
 
 
 def _write(root: Path, files: dict[str, str]) -> Path:
