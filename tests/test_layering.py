@@ -18,10 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("errors", "config", "dtypes"),  # leaves: import nothing of portatrain
     ("accelerators",),  # device adapters
     ("distributed", "parallel", "kernels"),  # process groups; parallel dims, mesh, FSDP/TP; kernel overrides
-    (
-        "models",
-        "data",
-    ),  # model families (their parallelize.py uses parallel/); the data pipeline -- independent
+    ("models", "data"),  # model families (parallelize.py uses parallel/); the data pipeline
     ("compile", "losses", "optim", "profiling", "metrics", "checkpoint", "rundir"),  # stages the trainer uses
     ("trainer", "plan", "export", "audit"),  # the loop; the dry run; HF export; static audit
     ("bench", "launch"),  # commands' engines built on the trainer / the layout
