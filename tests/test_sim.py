@@ -330,3 +330,16 @@ def test_tpu_adapter_trains_end_to_end_on_the_impersonating_sim(tmp_path: Path) 
         assert step_c == step_t
         assert loss_t == pytest.approx(loss_c, abs=1e-6)
         assert gn_t == pytest.approx(gn_c, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_inductor_on_sim_matches_cpu(tmp_path: Path) -> None:
+    """``compile.backend=sim_inductor``: inductor's C++ kernels run on device memory (two steps:
+    generating and compiling the kernels dominates)."""
+    common = ("trainer.steps=2", "checkpoint.enabled=false")
+    cpu = _train("cpu", tmp_path / "cpu", *common)
+    sim = _train("sim", tmp_path / "sim", *common, "compile.enabled=true", "compile.backend=sim_inductor")
+    for (step_c, loss_c, gn_c), (step_s, loss_s, gn_s) in zip(cpu, sim, strict=True):
+        assert step_c == step_s
+        assert loss_s == pytest.approx(loss_c, abs=1e-5)
+        assert gn_s == pytest.approx(gn_c, rel=1e-5)

@@ -108,6 +108,9 @@ def install(
     from portatrain.accelerators.sim import distributed
 
     distributed.register(ext, name)
+    from portatrain.accelerators.sim import inductor
+
+    inductor.register_lazily()
     _installed = name
     _extras(name, dist_backend, compile_backend, hardware_name)
     # Autograd runs device backward on its own worker threads, which drop their last reference
@@ -129,10 +132,15 @@ def _extras(
     if dist_backend:
         distributed.register(ext, name, dist_backend)
     if compile_backend:
-        from torch._dynamo import list_backends, lookup_backend, register_backend
+        from portatrain.accelerators.sim.inductor import after_import
 
-        if compile_backend not in list_backends(exclude_tags=()):
-            register_backend(lookup_backend("aot_eager"), name=compile_backend)
+        def alias(registry: types.ModuleType) -> None:
+            if compile_backend not in registry._COMPILER_FNS:
+                registry.register_backend(
+                    lambda gm, inputs: registry.lookup_backend("aot_eager")(gm, inputs), name=compile_backend
+                )
+
+        after_import("torch._dynamo.backends.registry", alias)
     if hardware_name:
         module = getattr(torch, name)
         module.get_device_name = lambda device=None: hardware_name
