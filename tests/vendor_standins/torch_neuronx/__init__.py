@@ -74,17 +74,14 @@ def _create_process_group(store, rank, size, timeout):  # noqa: ANN001
 
 def _install_on_sim() -> None:
     os.environ.setdefault("SIM_DEVICE_COUNT", str(STATE.count))
-    from portatrain.accelerators.sim import distributed as sim_distributed
     from portatrain.accelerators.sim import runtime
 
-    neuron = runtime.install("neuron")
+    # torch/guides/torch-distributed: backend "neuron"; pytorch-native-overview.rst: compile backend "neuron".
+    neuron = runtime.install("neuron", dist_backend="neuron", compile_backend="neuron")
     # The documented torch_neuronx.memory_* read the allocator (memory-profiling-guide).
     globals()["memory_allocated"] = lambda: int(torch.accelerator.memory.memory_allocated())
     globals()["memory_stats"] = lambda: torch.accelerator.memory.memory_stats()
     del neuron.memory_allocated, neuron.memory_stats  # TorchNeuron documents them on torch_neuronx
-    plugin = dist.Backend._plugins.get(sim_distributed.BACKEND_NAME.upper())
-    if plugin is not None:  # the sim's process group, under TorchNeuron's name
-        dist.Backend.register_backend("neuron", plugin.creator_fn, devices=["neuron"])
 
 
 if os.environ.get("STANDIN_ON_SIM") == "1":

@@ -184,10 +184,11 @@ def _install_on_sim() -> None:
     """The sim device named ``tpu`` (real tensors, torch.accelerator through its C++ hooks), with
     TorchTPU's Python surface layered on its ``torch.tpu`` module."""
     os.environ.setdefault("SIM_DEVICE_COUNT", "1")  # each worker sees one device, tpu:0
-    from portatrain.accelerators.sim import distributed as sim_distributed
     from portatrain.accelerators.sim import runtime
 
-    tpu = runtime.install("tpu")
+    # _loader.py registers both "tpu_dist" and "tpu" for device "tpu", and the "tpu" compile backend.
+    runtime.install("tpu", dist_backend="tpu_dist", compile_backend="tpu")
+    tpu = runtime.install("tpu", dist_backend="tpu")
     for name, prefer in _LEGACY_CLOSED.items():
         setattr(tpu, name, _internal(prefer)(getattr(tpu, name)))
     for name in _NOT_EXPORTED:
@@ -195,10 +196,6 @@ def _install_on_sim() -> None:
             delattr(tpu, name)
     tpu.get_device_name = _experimental(lambda device=None: DEVICE_NAME)
     tpu.get_device_name.__name__ = "get_device_name"
-    plugin = dist.Backend._plugins.get(sim_distributed.BACKEND_NAME.upper())
-    if plugin is not None:  # the sim's process group, under TorchTPU's names
-        for backend in ("tpu_dist", "tpu"):
-            dist.Backend.register_backend(backend, plugin.creator_fn, devices=["tpu"])
 
 
 # torch_tpu/_loader.py load(): `if hardware.get_tpu_device_count(): _init_device("tpu")`.
