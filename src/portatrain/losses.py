@@ -104,32 +104,36 @@ class _LinearCrossEntropy(torch.autograd.Function):
             valid = y != IGNORE_INDEX
             local_y = y - vocab_start
             owned = valid & (local_y >= 0) & (local_y < vocab_local)
-            target = logits.gather(1, local_y.clamp(0, vocab_local - 1).unsqueeze(1)).squeeze(1)
-            target = torch.where(owned, target, 0.0)
-            if group is None:
-                lse = torch.logsumexp(logits, dim=-1)
-            else:  # vocabulary-parallel log-sum-exp: global max, then global sum of exp
-                row_max = logits.amax(dim=-1)
+            index = local_y.clamp(0, vocab_local - 1).unsqueeze(1)
+            target = torch.where(owned, logits.gather(1, index).squeeze(1), 0.0)
+            # log-sum-exp in place on the chunk's logits (no second [n, V] buffer): they become
+            # exp(logits - max), then the softmax that the gradient starts from.
+            row_max = logits.amax(dim=-1)
+            if group is not None:  # vocabulary-parallel: global max, global sum, the owner's target
                 dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-                sum_exp = torch.exp(logits - row_max.unsqueeze(1)).sum(dim=-1)
+            probs = logits.sub_(row_max.unsqueeze(1)).exp_()
+            sum_exp = probs.sum(dim=-1)
+            if group is not None:
                 dist.all_reduce(sum_exp, group=group)
                 dist.all_reduce(target, group=group)  # only the owning rank contributed
-                lse = row_max + sum_exp.log()
+            lse = row_max + sum_exp.log()
             loss += torch.where(valid, lse - target, 0.0).sum()
             if not (need_hidden or need_weight):
                 continue
-            # d loss / d logits = softmax - one_hot(label), zero on ignored rows; in place on logits.
-            grad = logits.sub_(lse.unsqueeze(1)).exp_()
-            rows = torch.arange(grad.shape[0], device=grad.device)
-            grad[rows, local_y.clamp(0, vocab_local - 1)] -= owned.to(grad.dtype)
+            # d loss / d logits = softmax - one_hot(label), zero on ignored rows.
+            grad = probs.div_(sum_exp.unsqueeze(1))
+            grad.scatter_add_(1, index, -owned.to(grad.dtype).unsqueeze(1))
             grad.mul_(valid.unsqueeze(1).to(grad.dtype))
             # The matmuls run in the forward's precision (autocast casts them as it cast the projection).
             grad = grad.to(weight.dtype)
             if need_hidden:
                 grad_hidden[start : start + chunk_size] = grad @ weight
             if need_weight:
-                grad_weight += (grad.t() @ h).float()
-            del logits, grad
+                if h.dtype == torch.float32 and not torch.is_autocast_enabled(h.device.type):
+                    grad_weight.addmm_(grad.t(), h)  # no [V, D] temporary
+                else:
+                    grad_weight += (grad.t() @ h).float()
+            del logits, probs, grad
         if need_hidden and group is not None:
             dist.all_reduce(grad_hidden, group=group)  # each rank holds its vocabulary shard's share
         ctx.save_for_backward(grad_hidden, grad_weight)
@@ -140,8 +144,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
-        out_hidden = (grad_hidden * grad_loss).to(hidden_dtype) if grad_hidden is not None else None
-        out_weight = (grad_weight * grad_loss).to(weight_dtype) if grad_weight is not None else None
+        # In place: no second [V, D] buffer. A second backward through the same graph then fails
+        # loudly (autograd's version check on saved tensors) instead of scaling twice.
+        out_hidden = grad_hidden.mul_(grad_loss).to(hidden_dtype) if grad_hidden is not None else None
+        out_weight = grad_weight.mul_(grad_loss).to(weight_dtype) if grad_weight is not None else None
         return out_hidden, out_weight, None, None, None, None
 
 
