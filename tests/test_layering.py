@@ -15,7 +15,7 @@ from tests.layering import layering_violations
 SRC = Path(__file__).resolve().parents[1] / "src" / "portatrain"
 
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "config", "dtypes"),  # leaves: import nothing of portatrain
+    ("errors", "config", "dtypes", "redact"),  # leaves: import nothing of portatrain
     ("accelerators",),  # device adapters
     ("distributed", "parallel", "kernels"),  # process groups; parallel dims, mesh, FSDP/TP; kernel overrides
     ("models", "data"),  # model families (parallelize.py uses parallel/); the data pipeline

@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
 
 import torch
 
-from portatrain.checkpoint import CheckpointError, complete_checkpoints, inspect_checkpoint
+from portatrain.checkpoint import CheckpointError, complete_checkpoints, inspect_checkpoint, safe_reader
+from portatrain.checkpoint.common import root_causes, short_cause
 from portatrain.config import ExportConfig
 from portatrain.dtypes import DTYPE_NAMES, DTYPES
 from portatrain.errors import ConfigError
@@ -88,6 +90,10 @@ def export_hf(checkpoint: Path, out: Path, *, max_shard_size: int, dtype: str = 
         raise ConfigError(f"export.dtype={dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
     checkpoint = Path(checkpoint)
     state, metadata = inspect_checkpoint(checkpoint)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(
+            f"export.out={out} is an existing file; export writes a directory there -- choose a new path"
+        )
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"export.out={out} already exists and is not empty; choose a new directory")
     raw_args = state.get("model_args")
@@ -130,14 +136,25 @@ def export_hf(checkpoint: Path, out: Path, *, max_shard_size: int, dtype: str = 
             for key in shard
         }
         try:
-            dcp.load({"model": tensors}, checkpoint_id=str(checkpoint))
+            dcp.load({"model": tensors}, storage_reader=safe_reader(str(checkpoint)))
         except (Exception, dcp.CheckpointException) as exc:  # the latter is a BaseException
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(
-                f"reading checkpoint {checkpoint} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+                f"reading checkpoint {checkpoint} failed ({short_cause(root_causes(exc)[0])}); a *.distcp "
+                "file was overwritten or damaged -- export an earlier step_* directory"
+            ) from None
+        bad = [key for key, value in tensors.items() if not bool(torch.isfinite(value).all())]
+        if bad:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(
+                f"checkpoint {checkpoint} holds non-finite (NaN/inf) weights in model.{', model.'.join(bad[:4])}"
+                f"{' and more' if len(bad) > 4 else ''}; not exporting them. Export an earlier step_* "
+                "directory (training stops before saving non-finite weights: this checkpoint was made "
+                "otherwise)"
+            )
         hf = {k: v.to(target).contiguous() for k, v in spec.hf.to_hf(tensors).items()}
         save_file(hf, str(tmp / name), metadata={"format": "pt"})
+        _share_mode(tmp / name)
         weight_map.update(dict.fromkeys(hf, name))
         del tensors, hf
 
@@ -153,6 +170,7 @@ def export_hf(checkpoint: Path, out: Path, *, max_shard_size: int, dtype: str = 
     copy_tokenizer_files(state.get("tokenizer", "byte"), tmp)
     index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    _share_mode(tmp, directory=True)
     if out.exists():
         out.rmdir()  # empty (checked above)
     tmp.rename(out)
@@ -160,6 +178,14 @@ def export_hf(checkpoint: Path, out: Path, *, max_shard_size: int, dtype: str = 
         "exported step %s: %d shard(s), %.1f MB", state["step"], len(shards), sum(sizes.values()) / 1e6
     )
     return out
+
+
+def _share_mode(path: Path, *, directory: bool = False) -> None:
+    """The mode a new file or directory gets from the umask (safetensors writes 0600): an export is
+    meant to be shared, as a team's umask allows."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod((0o777 if directory else 0o666) & ~umask)
 
 
 def _plan_shards(keys: list[str], sizes: dict[str, int], max_shard_size: int) -> list[list[str]]:

@@ -15,6 +15,8 @@ process group exists and before anything is resumed or saved.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import time
 import uuid
@@ -96,4 +98,119 @@ def _message(main: tuple[int, str, str, bool], blind: list[tuple[int, str, str, 
     )
 
 
-__all__ = ["MARKER_PREFIX", "SharedStorageError", "check_shared_run_dir"]
+# -- the run-directory lock --------------------------------------------------------------------
+# Two runs in one directory interleave their checkpoints, config and metrics. The run holds an
+# exclusive flock on <run_dir>/.portatrain.lock from start to exit. The kernel releases a flock
+# when its process dies, however it dies (SIGKILL, OOM, a node reboot for a local disk), so a
+# crashed run never leaves a lock to clean up: the next run simply takes it. The file's content
+# (host, PID, start time) is only there to name the holder in the error.
+
+LOCK_FILE = ".portatrain.lock"
+
+
+class RunDirLockedError(UserError):
+    """Another live process holds the run directory's lock."""
+
+    same_on_every_rank = True
+
+
+class RunDirNotWritableError(UserError):
+    """The run directory cannot be created or written (read-only, permissions)."""
+
+    same_on_every_rank = True
+
+
+class RunDirLock:
+    """An exclusive lock on a run directory (see :func:`lock_run_dir`); :meth:`release` is idempotent."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        import fcntl
+
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:  # a Trainer dropped without close() still frees its directory
+        with contextlib.suppress(Exception):
+            self.release()
+
+
+def lock_run_dir(run_dir: str | Path) -> RunDirLock:
+    """Create ``run_dir`` if needed, check it is writable, and take its exclusive lock.
+
+    Raises :class:`RunDirNotWritableError` when the directory cannot be created or written (checked
+    here, before training, not at the first save) and :class:`RunDirLockedError` naming the holder's
+    host and PID when another live process holds it. Call it on one process per run (rank 0).
+    """
+    import fcntl
+
+    folder = Path(run_dir).absolute()
+    lock_path = folder / LOCK_FILE
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise RunDirNotWritableError(
+            f"run directory {folder} is not writable ({exc.strerror}): checkpoints and metrics could "
+            "not be saved. Choose a writable run_dir=... or fix its permissions"
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = _read_holder(fd)
+        os.close(fd)
+        raise RunDirLockedError(
+            f"run directory {folder} is in use by another run ({holder}); two runs in one directory "
+            "would mix their checkpoints and metrics. Wait for it to finish or stop it, or choose "
+            "another run_dir=..."
+        ) from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(
+            fd,
+            f"host={socket.gethostname()} pid={os.getpid()} since={time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode(),
+            0,
+        )
+        probe = folder / f".portatrain-write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+        checkpoints = folder / "checkpoints"
+        if checkpoints.is_dir() and not os.access(checkpoints, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied", str(checkpoints))
+    except OSError as exc:
+        os.close(fd)
+        raise RunDirNotWritableError(
+            f"run directory {exc.filename or folder} is not writable ({exc.strerror}): checkpoints and "
+            "metrics could not be saved. Choose a writable run_dir=... or fix its permissions"
+        ) from None
+    return RunDirLock(lock_path, fd)
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        text = os.pread(fd, 256, 0).decode(errors="replace").strip()
+    except OSError:
+        text = ""
+    return (
+        text.replace("host=", "host ").replace("pid=", "PID ").replace("since=", "since ") or "holder unknown"
+    )
+
+
+__all__ = [
+    "LOCK_FILE",
+    "MARKER_PREFIX",
+    "RunDirLock",
+    "RunDirLockedError",
+    "RunDirNotWritableError",
+    "SharedStorageError",
+    "check_shared_run_dir",
+    "lock_run_dir",
+]

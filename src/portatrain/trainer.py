@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -45,18 +46,23 @@ from tqdm import tqdm
 from portatrain.accelerators import Accelerator, resolve_accelerator
 from portatrain.checkpoint import (
     Checkpointer,
+    CheckpointError,
     PreemptionWatcher,
     load_dataloader_state,
     load_hf_weights,
     model_args_dict,
+    newest_usable,
+    read_trainer_state,
     resolve_resume,
 )
+from portatrain.checkpoint.common import broadcast_from_main
 from portatrain.compile import CompileMonitor, block_compiler, warmup_batches
 from portatrain.config import Config
 from portatrain.data.loader import batch_shapes, build_collator, build_dataloader
 from portatrain.data.pipeline import build_data
 from portatrain.distributed import destroy_distributed, dist_info_from_env, init_distributed
 from portatrain.dtypes import dtype_from_name
+from portatrain.errors import UserError
 from portatrain.kernels import apply as apply_kernels
 from portatrain.kernels import resolve as resolve_kernels
 from portatrain.losses import chunked_loss_fn, cross_entropy_sum
@@ -78,12 +84,35 @@ from portatrain.parallel import (
     parallelize_model,
 )
 from portatrain.profiling import StepProfiler
+from portatrain.redact import redacted_yaml
+from portatrain.rundir import RunDirLock, RunDirLockedError, RunDirNotWritableError, lock_run_dir
 
 logger = logging.getLogger(__name__)
+
+NONFINITE_MODES = ("stop", "skip_step")
+"""``trainer.on_nonfinite``: what a step with a non-finite loss or gradient norm does."""
+
+
+class NonFiniteError(UserError):
+    """Training produced a non-finite loss or gradient norm (``trainer.on_nonfinite=stop``)."""
+
+    same_on_every_rank = True
+
+
+class _StopDuringWarmup(Exception):
+    """A stop request (SIGTERM/SIGINT) arrived between compile warm-up shapes."""
 
 
 class Trainer:
     def __init__(self, cfg: Config, accelerator: Accelerator | None = None) -> None:
+        self._run_dir_lock: RunDirLock | None = None
+        try:
+            self._setup(cfg, accelerator)
+        except BaseException:
+            self._release_run_dir()  # a run that failed to start leaves the directory free
+            raise
+
+    def _setup(self, cfg: Config, accelerator: Accelerator | None) -> None:
         self.cfg = cfg
         self.spec = get_spec(cfg.model.name)  # the model family: parallel plan, HF mapping
         self.dist = dist_info_from_env()
@@ -103,12 +132,21 @@ class Trainer:
         self.dp_rank, self.dp_world_size = self.parallel_dims.dp_rank, self.parallel_dims.dp
 
         self.run_dir = Path(cfg.run_dir)
-        # Before anything is built or written: find the checkpoint to resume, refuse another run's dir.
+        # Before anything is built or written: take the run directory (exclusive, and writable), find
+        # the checkpoint to resume, refuse another run's directory.
+        self._run_dir_lock = self._lock_run_dir()
         self.resume_from = resolve_resume(
             cfg.checkpoint.resume, self.run_dir / "checkpoints", recipe=cfg.recipe
         )
-        if self.dist.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.resume_from is not None:
+            saved_step = int(read_trainer_state(self.resume_from)["step"])
+            if saved_step > cfg.trainer.steps:
+                raise CheckpointError(
+                    f"checkpoint {self.resume_from} is at step {saved_step}, past trainer.steps="
+                    f"{cfg.trainer.steps}: there is nothing left to train. Set trainer.steps>{saved_step} "
+                    "to train on (the LR schedule is recomputed for the new length), or resume from an "
+                    "earlier step_* directory"
+                )
 
         self.accelerator.manual_seed(cfg.trainer.seed)
         if cfg.trainer.deterministic:
@@ -140,6 +178,14 @@ class Trainer:
             else None
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optim, cfg.trainer.steps)
+        # Non-finite steps: counted on the device every step, read at the logging sync and before
+        # every save (no extra host sync). skip_step leaves the weights and moments of such a step as
+        # they were; stop raises NonFiniteError before anything non-finite is saved.
+        self._skip_nonfinite = cfg.trainer.on_nonfinite == "skip_step"
+        self._nonfinite = torch.zeros((), device=self.device)  # non-finite steps since the last sync
+        self._first_nonfinite = torch.zeros((), device=self.device)  # step of the first one (0: none)
+        self.nonfinite_skipped = 0
+        """Steps skipped for a non-finite loss or gradient norm so far (``on_nonfinite=skip_step``)."""
         self.checkpointer = Checkpointer(
             self.run_dir / "checkpoints",
             keep=cfg.checkpoint.keep,
@@ -167,8 +213,9 @@ class Trainer:
         elif cfg.model.init_from:
             load_hf_weights(self.model, cfg.model.init_from, self.spec)
         # Written after the load: a resume that fails leaves the run directory as it was.
+        # Secrets (tokens, keys, passwords) are redacted in every config written to disk.
         if self.dist.is_main:
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            (self.run_dir / "config.yaml").write_text(redacted_yaml(cfg))
 
     # -- hooks -----------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
@@ -220,7 +267,10 @@ class Trainer:
         for batch in batches:
             loss_sum += self.forward_backward(self._to_device(batch), num_tokens)
         grad_norm = self._clip_gradients()
-        self.optimizer.step()
+        # The gradient norm is global (all ranks agree on it); the loss is this rank's.
+        finite = torch.isfinite(grad_norm) & torch.isfinite(loss_sum)
+        self._optimizer_step(torch.isfinite(grad_norm))
+        self._count_nonfinite(finite)
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         # Tensors stay on the device; fit() reads them only on logging steps (no per-step host sync).
@@ -260,6 +310,10 @@ class Trainer:
         )
 
         def train(batch: dict[str, torch.Tensor]) -> None:
+            # Compiling one shape can take tens of seconds: look for a stop request (SIGTERM, Ctrl-C)
+            # before each, so a preempted job saves within the scheduler's grace period.
+            if self.preemption.should_stop():
+                raise _StopDuringWarmup
             self.forward_backward(batch, (batch["labels"] != -100).sum().float())
 
         @torch.no_grad()
@@ -271,12 +325,21 @@ class Trainer:
                 )
             self.model.train()
 
-        records = self.compile_monitor.warm_up(
-            [self._to_device(b) for b in batches],
-            train=train,
-            evaluate=evaluate if self.cfg.trainer.eval_every and self.data.has_eval else None,
-            synchronize=self.accelerator.synchronize,
-        )
+        try:
+            records = self.compile_monitor.warm_up(
+                [self._to_device(b) for b in batches],
+                train=train,
+                evaluate=evaluate if self.cfg.trainer.eval_every and self.data.has_eval else None,
+                synchronize=self.accelerator.synchronize,
+            )
+        except _StopDuringWarmup:
+            self.preempted = True  # agreed by every rank (should_stop); fit() trains no step
+            self.optimizer.zero_grad(set_to_none=True)
+            self.accelerator.set_rng_state(rng)
+            logger.warning(
+                "stop requested during compile warm-up (after %.1f s)", time.perf_counter() - start
+            )
+            return []
         self.optimizer.zero_grad(set_to_none=True)
         self.accelerator.set_rng_state(rng)
         total = round(time.perf_counter() - start, 3)
@@ -324,10 +387,14 @@ class Trainer:
             # A plain dataclass copy: the loop reads it every step; a DictConfig read costs ~10 us.
             cfg = OmegaConf.to_object(cfg)
         data_iter = iter(self.train_loader)
+        # A terminal gets a live bar; a log file (SLURM output, CI, `> file`) one plain line per
+        # logging step instead of a carriage-return frame per step.
+        interactive = sys.stderr.isatty()
+        log_lines = cfg.progress and self.dist.is_main and not interactive
         bar = tqdm(
             total=cfg.steps,
             initial=self.step,
-            disable=not (cfg.progress and self.dist.is_main),
+            disable=not (cfg.progress and self.dist.is_main and interactive),
             desc=self.cfg.recipe,
             unit="step",
             dynamic_ncols=True,
@@ -342,12 +409,14 @@ class Trainer:
             worker_name=f"rank{self.dist.rank}",
         )
         checkpointing = self.cfg.checkpoint.enabled  # read once, not per step
-        if checkpointing:
-            self.preemption.install()  # SIGTERM: save at the next step boundary, then stop
+        # SIGTERM / Ctrl-C: save at the next step boundary (when checkpointing), then stop.
+        self.preemption.install()
         if self.cfg.compile.enabled and self.cfg.compile.warmup and self.step < cfg.steps:
             self.warmup()
             window_start = time.perf_counter()  # compilation is reported apart from throughput
-        while self.step < cfg.steps:
+            if self.preempted:  # stopped between warm-up shapes: nothing trained, nothing to save
+                logger.warning("stopped during compile warm-up at step %d on request", self.step)
+        while self.step < cfg.steps and not self.preempted:
             batches = [next(data_iter) for _ in range(cfg.grad_accum)]
             with self.compile_monitor.watch(batches):
                 metrics = self.train_step(batches)
@@ -363,8 +432,15 @@ class Trainer:
             if self.step % cfg.log_every == 0 or self.step == cfg.steps or save_now:
                 self.accelerator.synchronize()
                 elapsed = time.perf_counter() - window_start
-                window = torch.tensor([float(window_tokens), float(window_flops)], device=self.device)
-                window_tokens, window_flops = (int(x) for x in self._all_reduce_sum(window).tolist())
+                window = torch.stack(
+                    [
+                        torch.tensor(float(window_tokens), device=self.device),
+                        torch.tensor(float(window_flops), device=self.device),
+                        self._nonfinite.float(),
+                    ]
+                )
+                window_tokens, window_flops, bad = (int(x) for x in self._all_reduce_sum(window).tolist())
+                self._check_nonfinite(bad, metrics)
                 self.tokens_seen += window_tokens
                 last = {
                     "step": self.step,
@@ -384,8 +460,13 @@ class Trainer:
                     **memory_metrics(self.accelerator.memory_stats()),
                     **self.compile_monitor.metrics(),
                 }
+                if self.nonfinite_skipped:
+                    last["nonfinite_skipped"] = self.nonfinite_skipped
                 self.metrics.log(last)
                 bar.set_postfix(progress_postfix(last))
+                if log_lines:
+                    summary = "  ".join(f"{k} {v}" for k, v in progress_postfix(last).items())
+                    logger.info("step %d/%d  %s", self.step, cfg.steps, summary)
                 window_tokens, window_flops, window_steps, window_start = 0, 0, 0, time.perf_counter()
             if (
                 cfg.eval_every
@@ -415,7 +496,12 @@ class Trainer:
         return last
 
     def save_checkpoint(self) -> Path:
-        """Save everything a resume needs (collective; see ``portatrain.checkpoint`` for the layout)."""
+        """Save everything a resume needs (collective; see ``portatrain.checkpoint`` for the layout).
+
+        Refuses (``NonFiniteError``) to save a non-finite state: a checkpoint is always finite, so
+        rotation never replaces the last finite checkpoint with a broken one.
+        """
+        self._assert_finite_state()
         path = self.checkpointer.save(
             self.step,
             model=self.model,
@@ -432,18 +518,50 @@ class Trainer:
             },
             dataloader_state=self.train_loader.state_dict(),
             rng_state=self.accelerator.get_rng_state(),
-            config_yaml=OmegaConf.to_yaml(self.cfg, resolve=True),
+            config_yaml=redacted_yaml(self.cfg),
         )
         if self.dist.is_main:
             logger.info("saved checkpoint %s", path)
         return path
 
     def load_checkpoint(self, path: Path) -> None:
-        """Restore model, optimizer, LR schedule, data position, RNG and counters from ``path``."""
-        state, loader_state, rng_state = self.checkpointer.load(
-            path, model=self.model, optimizer=self.optimizer, rng_template=self.accelerator.get_rng_state()
-        )
+        """Restore model, optimizer, LR schedule, data position, RNG and counters from ``path``.
+
+        With ``checkpoint.resume=auto``, a newest checkpoint whose tensors turn out unreadable is
+        skipped with a warning and the one before it is loaded. Optimizer hyper-parameters and the LR
+        schedule's peak come from the current config (a change is applied and logged).
+        """
+        while True:
+            try:
+                state, loader_state, rng_state = self.checkpointer.load(
+                    path,
+                    model=self.model,
+                    optimizer=self.optimizer,
+                    rng_template=self.accelerator.get_rng_state(),
+                    read_loader_state=self.cfg.checkpoint.restore_data,
+                )
+                break
+            except CheckpointError as exc:
+                if str(self.cfg.checkpoint.resume) != "auto" or "is corrupt" not in str(exc):
+                    raise
+                previous = broadcast_from_main(
+                    newest_usable(path.parent, self.cfg.recipe, below=int(path.name.split("_")[-1]))
+                    if self.dist.is_main
+                    else None
+                )
+                if previous is None:
+                    raise
+                logger.warning("checkpoint.resume=auto: skipping %s (%s); trying %s", path, exc, previous)
+                path = self.resume_from = previous
+        base_lrs = list(self.lr_scheduler.base_lrs)
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        # The schedule's peak is optim.lr of the current config (the moments come from the checkpoint).
+        self.lr_scheduler.base_lrs = base_lrs
+        sched = self.lr_scheduler
+        lrs = [base * fn(sched.last_epoch) for base, fn in zip(base_lrs, sched.lr_lambdas, strict=True)]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self.lr_scheduler._last_lr = list(lrs)
         if loader_state is not None and self.cfg.checkpoint.restore_data:
             load_dataloader_state(self.train_loader, loader_state, path)
         if rng_state is not None:
@@ -456,9 +574,119 @@ class Trainer:
         self.compile_monitor.close()
         self.preemption.uninstall()
         self.metrics.close()
+        self._release_run_dir()
         destroy_distributed()
 
     # -- internals -------------------------------------------------------------------------
+    def _lock_run_dir(self) -> RunDirLock | None:
+        """Rank 0 creates the run directory and takes its lock; every rank learns the outcome."""
+        lock, error = None, None
+        if self.dist.is_main:
+            try:
+                lock = lock_run_dir(self.run_dir)
+            except (RunDirLockedError, RunDirNotWritableError) as exc:
+                error = (type(exc).__name__, str(exc))
+        error = broadcast_from_main(error)
+        if error is not None:
+            kind = RunDirLockedError if error[0] == RunDirLockedError.__name__ else RunDirNotWritableError
+            raise kind(error[1])
+        return lock
+
+    def _release_run_dir(self) -> None:
+        if self._run_dir_lock is not None:
+            self._run_dir_lock.release()
+            self._run_dir_lock = None
+
+    def _optimizer_step(self, ok: torch.Tensor) -> None:
+        """``optimizer.step()``; with ``on_nonfinite=skip_step`` a step where ``ok`` is false leaves
+        parameters and optimizer state as they were -- decided on the device, no host sync."""
+        if not self._skip_nonfinite:
+            self.optimizer.step()
+            return
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        fused = all(group.get("fused") for group in self.optimizer.param_groups)
+        if fused and not any(hasattr(p, "to_local") for p in params):
+            # Fused AdamW skips on the device when found_inf is set (the GradScaler protocol), and
+            # takes back its step count.
+            self.optimizer.found_inf = (~ok).float()
+            self.optimizer.grad_scale = None
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf, self.optimizer.grad_scale
+            return
+
+        # Any other optimizer: keep a copy of what a step changes and put it back where not ok.
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.to_local() if hasattr(t, "to_local") else t
+
+        tensors = [local(p.data) for p in params]
+        for p in params:
+            tensors += [
+                local(v) for v in self.optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)
+            ]
+        before = [t.detach().clone() for t in tensors]
+        known = {id(t) for t in tensors}
+        self.optimizer.step()
+        with torch.no_grad():
+            for t, old in zip(tensors, before):
+                t.copy_(torch.where(ok.to(t.device), t, old))
+            for p in params:  # state this (first) step created: as if it had not run, zeros
+                for v in self.optimizer.state.get(p, {}).values():
+                    if isinstance(v, torch.Tensor) and id(local(v)) not in known:
+                        local(v).copy_(torch.where(ok.to(v.device), local(v), torch.zeros_like(local(v))))
+
+    def _count_nonfinite(self, finite: torch.Tensor) -> None:
+        bad = (~finite).to(self._nonfinite.dtype)
+        step = float(self.step + 1)  # train_step runs before self.step is incremented
+        first_missing = self._first_nonfinite == 0
+        self._first_nonfinite = torch.where(first_missing & (bad > 0), step, self._first_nonfinite)
+        self._nonfinite = self._nonfinite + bad
+
+    def _check_nonfinite(self, bad: int, metrics: dict[str, Any]) -> None:
+        """At a sync: ``bad`` non-finite steps (all ranks) since the last one -> stop, or count the skips."""
+        first = int(self._first_nonfinite.item()) if bad else 0
+        self._nonfinite.zero_()
+        self._first_nonfinite.zero_()
+        if not bad:
+            return
+        if self._skip_nonfinite:
+            self.nonfinite_skipped += bad
+            logger.warning(
+                "skipped %d optimizer step(s) with a non-finite loss or gradient norm (first: step %d; "
+                "%d skipped in all; trainer.on_nonfinite=skip_step)",
+                bad,
+                first or self.step,
+                self.nonfinite_skipped,
+            )
+            return
+        newest = self.checkpointer.last_step
+        kept = f"the newest checkpoint (step {newest}) is finite" if newest else "no checkpoint was saved"
+        raise NonFiniteError(
+            f"the loss or gradient norm became non-finite at step {first or self.step} (last step: loss "
+            f"{float(metrics['loss']):.4g}, grad norm {float(metrics['grad_norm']):.4g}); training stopped "
+            f"without saving, and {kept}. Lower optim.lr (now {self.cfg.optim.lr}), lengthen "
+            "optim.warmup_steps or set optim.grad_clip, then continue with checkpoint.resume=auto; or set "
+            "trainer.on_nonfinite=skip_step to skip such steps"
+        )
+
+    def _assert_finite_state(self) -> None:
+        """Before a save: no pending non-finite step, and every parameter finite (on every rank)."""
+        pending = int(self._all_reduce_sum(self._nonfinite.float()).item())
+        self._check_nonfinite(pending, {"loss": float("nan"), "grad_norm": float("nan")})
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+        finite = torch.stack([torch.isfinite(p).all() for p in local if p.numel()]).all()
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            flag = finite.to(torch.int32)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+            finite = flag.bool()
+        if not bool(finite):
+            raise NonFiniteError(
+                f"the model's weights are non-finite at step {self.step}; not saving them (the newest "
+                f"checkpoint, step {self.checkpointer.last_step}, stays the one to resume from). Lower "
+                "optim.lr or set optim.grad_clip, then continue with checkpoint.resume=auto"
+            )
+
     def _materialize(self, model: nn.Module) -> nn.Module:
         """Allocate the meta model on the device and initialize it (same seed on every rank; sharded
         parameters get their slice of the single-device weights, see ``full_tensor_init``)."""

@@ -10,8 +10,10 @@ One module per concern:
 - ``resume.py`` -- the resume policy: :func:`resolve_resume` turns ``checkpoint.resume``
   (``none``/``auto``/a path) into a directory and refuses to start a new run over another run's
   checkpoints; :func:`load_dataloader_state` continues the data order;
-- ``preemption.py`` -- :class:`PreemptionWatcher` turns SIGTERM into "save at the next step
-  boundary, then stop";
+- ``preemption.py`` -- :class:`PreemptionWatcher` turns SIGTERM and Ctrl-C into "save at the next
+  step boundary, then stop" (a second Ctrl-C exits at once);
+- ``safe_metadata.py`` -- :func:`safe_reader`, the DCP reader every load goes through: it unpickles
+  DCP's ``.metadata`` index with an unpickler that admits only DCP's own metadata classes;
 - ``hf.py`` -- :func:`load_hf_weights` initializes a model from a local Hugging Face safetensors
   directory through its family's ``ModelSpec``, each rank reading only the slices it holds;
 - ``common.py`` -- :class:`CheckpointError` (a ``UserError``: the one error a user sees for a
@@ -29,13 +31,17 @@ Layout of ``<run_dir>/checkpoints/step_<N>/``::
 
 Only tensors go through DCP, everything else is JSON: DCP stores non-tensor values with
 ``torch.save`` and reads them back with ``torch.load(weights_only=False)``, which would execute
-whatever a checkpoint file contains. DCP's own ``.metadata`` index is still a pickle, so load only
-checkpoints you trust.
+whatever a checkpoint file contains. DCP's own ``.metadata`` index is a pickle: it is read with a
+restricted unpickler (``safe_metadata.py``) that refuses any other class before calling it.
 
 Atomicity: a save writes ``step_<N>.tmp`` and rank 0 renames it to ``step_<N>`` after every rank
 has finished (DCP writes ``.metadata`` only then). A process killed mid-save leaves a ``.tmp``
 directory that :func:`complete_checkpoints` ignores and the next save deletes, so the previous
-checkpoint stays the newest complete one. A complete checkpoint is never overwritten.
+checkpoint stays the newest complete one. A save always writes the state it is given or raises: an
+existing ``step_<N>`` (broken, or left by a run rolled back past it) is replaced -- the old one is
+renamed ``step_<N>.old``, the new one renamed in, the old one deleted -- and rotation renames a
+checkpoint ``step_<N>.deleting`` before deleting it, so no half-deleted ``step_<N>`` is ever seen.
+A failed save (disk full...) removes its partial files and raises a ``CheckpointError`` on every rank.
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ from portatrain.checkpoint.checkpointer import (
 from portatrain.checkpoint.common import FORMAT, CheckpointError
 from portatrain.checkpoint.hf import load_hf_weights
 from portatrain.checkpoint.preemption import PreemptionWatcher
-from portatrain.checkpoint.resume import load_dataloader_state, resolve_resume
+from portatrain.checkpoint.resume import load_dataloader_state, newest_usable, resolve_resume
+from portatrain.checkpoint.safe_metadata import UnsafeMetadataError, safe_reader
 
 __all__ = [
     "FORMAT",
@@ -62,6 +69,9 @@ __all__ = [
     "load_dataloader_state",
     "load_hf_weights",
     "model_args_dict",
+    "newest_usable",
     "read_trainer_state",
     "resolve_resume",
+    "safe_reader",
+    "UnsafeMetadataError",
 ]

@@ -28,14 +28,19 @@ from portatrain.checkpoint.common import (
     STEP_DIR,
     TRAINER_STATE,
     CheckpointError,
-    barrier,
-    broadcast_from_main,
+    any_rank,
     fsync_dir,
     get_rank,
     get_world_size,
+    is_disk_full,
+    remove_leftovers,
+    root_causes,
+    short_cause,
     some,
+    step_of,
     write_json,
 )
+from portatrain.checkpoint.safe_metadata import UnsafeMetadataError, safe_reader
 
 # torch.distributed.checkpoint is imported inside the functions that use it: `portatrain --help`
 # should not pay DCP's ~0.8 s import.
@@ -71,12 +76,37 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
         state = json.loads((path / TRAINER_STATE).read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint file {path / TRAINER_STATE} is unreadable: {exc}") from None
+    file = path / TRAINER_STATE
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"checkpoint file {file} holds a JSON {type(state).__name__}, not the object portatrain "
+            "writes (the file was edited or replaced); resume from an earlier step_* directory"
+        )
     if state.get("format") != FORMAT:
         raise CheckpointError(
-            f"checkpoint file {path / TRAINER_STATE} has format {state.get('format')!r}; "
-            f"this portatrain reads {FORMAT!r}"
+            f"checkpoint file {file} has format {state.get('format')!r}; this portatrain reads {FORMAT!r}"
+        )
+    wrong = [
+        f"{key} ({'missing' if key not in state else type(state[key]).__name__ + ', not ' + kind.__name__})"
+        for key, kind in _STATE_KEYS.items()
+        if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool)
+    ]
+    if wrong:
+        raise CheckpointError(
+            f"checkpoint file {file} is damaged: {', '.join(wrong)} (the file was edited or truncated); "
+            "resume from an earlier step_* directory"
         )
     return state
+
+
+# What a resume reads from trainer_state.json, and its JSON type.
+_STATE_KEYS: dict[str, type] = {
+    "step": int,
+    "tokens_seen": int,
+    "lr_scheduler": dict,
+    "optimizer_param_groups": list,
+    "world_size": int,
+}
 
 
 class Checkpointer:
@@ -113,22 +143,31 @@ class Checkpointer:
 
         ``state`` is the JSON-able trainer state (counters, LR scheduler, recipe, model args...),
         the same on every rank; ``dataloader_state`` and ``rng_state`` are this rank's own.
-        An existing ``step_<step>`` is left as it is (a complete checkpoint is never overwritten).
+
+        The state given is always written, or a :class:`CheckpointError` is raised (on every rank):
+        an existing ``step_<step>`` -- a broken one, or one left by a run that was rolled back to an
+        earlier checkpoint -- is never trusted but replaced: the new one is written as
+        ``step_<step>.tmp``, the old one renamed aside, the new one renamed in, the old one deleted.
+        Complete checkpoints of later steps (an abandoned timeline after such a roll-back) are renamed
+        ``step_<M>.superseded``, so ``checkpoint.resume=auto`` never picks them. Rotation renames a
+        checkpoint to ``step_<M>.deleting`` before deleting it: a kill mid-deletion leaves no
+        half-deleted ``step_<M>``.
         """
-        final = self.folder / f"step_{step:07d}"
-        if broadcast_from_main(final.exists() if self.is_main else None):
-            logger.info("checkpoint %s already exists; not overwriting it", final)
-            self.last_step = step
-            return final
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        final = self.folder / f"step_{step:07d}"
         tmp = final.with_name(final.name + ".tmp")
+        error: BaseException | None = None
         if self.is_main:
-            for stale in self.folder.glob("step_*.tmp"):  # left by a save that was killed
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        barrier()
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                remove_leftovers(self.folder)  # .tmp/.old/.deleting left by a process that was killed
+                tmp.mkdir()
+            except OSError as exc:
+                error = exc
+        if any_rank(error is not None):
+            self._fail(step, final, tmp, error)
 
         model_sd, optim_sd = get_state_dict(model, optimizer)
         rank = get_rank()
@@ -137,28 +176,95 @@ class Checkpointer:
             "optim": optim_sd["state"],
             "rng": {f"rank{rank}": {k: v for k, v in rng_state.items() if isinstance(v, torch.Tensor)}},
         }
-        write_json(tmp / f"dataloader_rank{rank}.json", dataloader_state)
+        try:
+            write_json(tmp / f"dataloader_rank{rank}.json", dataloader_state)
+            if self.is_main:
+                full_state = {
+                    "format": FORMAT,
+                    **state,
+                    "world_size": get_world_size(),
+                    "optimizer_param_groups": optim_sd["param_groups"],
+                }
+                write_json(tmp / TRAINER_STATE, full_state)
+                (tmp / "config.yaml").write_text(config_yaml)
+        except OSError as exc:  # disk full on this rank: still join the collective save below
+            error = exc
+        try:
+            # DCP writes .metadata last, on rank 0, after gathering every rank's write results; a
+            # failure on any rank is raised on every rank.
+            dcp.save(tensors, checkpoint_id=str(tmp))
+        except (Exception, dcp.CheckpointException) as exc:  # the latter is a BaseException
+            error = error or exc
+        if any_rank(error is not None):
+            self._fail(step, final, tmp, error)
+
         if self.is_main:
-            full_state = {
-                "format": FORMAT,
-                **state,
-                "world_size": get_world_size(),
-                "optimizer_param_groups": optim_sd["param_groups"],
-            }
-            write_json(tmp / TRAINER_STATE, full_state)
-            (tmp / "config.yaml").write_text(config_yaml)
-        # DCP writes .metadata last, on rank 0, after gathering every rank's write results.
-        dcp.save(tensors, checkpoint_id=str(tmp))
-        barrier()
-        if self.is_main:
-            tmp.rename(final)
-            fsync_dir(self.folder)
-            if self.keep > 0:
-                for old in complete_checkpoints(self.folder)[: -self.keep]:
-                    shutil.rmtree(old)
-        barrier()
+            try:
+                self._publish(step, final, tmp)
+            except OSError as exc:
+                error = exc
+        if any_rank(error is not None):
+            self._fail(step, final, tmp, error)
         self.last_step = step
         return final
+
+    def _publish(self, step: int, final: Path, tmp: Path) -> None:
+        """Rank 0, once every rank has written: rename the new checkpoint in, then rotate."""
+        aside = final.with_name(final.name + ".old")
+        replaced = final.exists()
+        if replaced:
+            logger.warning(
+                "checkpoint %s already exists (a broken save, or a run rolled back past this step): "
+                "replacing it with this run's step %d",
+                final,
+                step,
+            )
+            final.rename(aside)
+        tmp.rename(final)
+        fsync_dir(self.folder)
+        if replaced:
+            shutil.rmtree(aside)
+        newer = [p for p in complete_checkpoints(self.folder) if step_of(p) > step]
+        if newer:
+            logger.warning(
+                "checkpoint(s) %s are ahead of this run's step %d (left by a run this one was rolled "
+                "back from); renaming them *.superseded so checkpoint.resume=auto continues this run",
+                ", ".join(p.name for p in newer),
+                step,
+            )
+            for path in newer:
+                target = path.with_name(path.name + ".superseded")
+                shutil.rmtree(target, ignore_errors=True)
+                path.rename(target)
+        if self.keep > 0:
+            for old in complete_checkpoints(self.folder)[: -self.keep]:
+                trash = old.with_name(old.name + ".deleting")
+                old.rename(trash)  # atomic: the checkpoint is gone whole, or still complete
+                fsync_dir(self.folder)
+                shutil.rmtree(trash)
+        fsync_dir(self.folder)
+
+    def _fail(self, step: int, final: Path, tmp: Path, error: BaseException | None) -> None:
+        """Remove this save's partial files and raise one message on every rank."""
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        causes = root_causes(error) if error is not None else []
+        previous = [p.name for p in complete_checkpoints(self.folder)]
+        kept = (
+            f"the previous checkpoint {previous[-1]} is intact"
+            if previous
+            else "no earlier checkpoint exists"
+        )
+        if any(is_disk_full(c) for c in causes):
+            raise CheckpointError(
+                f"no space left on device while saving checkpoint step {step} into {self.folder}: "
+                f"nothing of step {step} was kept and {kept}. Free space (or lower checkpoint.keep), "
+                "then continue with checkpoint.resume=auto"
+            )
+        detail = short_cause(causes[0]) if causes else "another rank failed to write its part"
+        raise CheckpointError(
+            f"saving checkpoint {final} failed ({detail}); nothing of step {step} was kept and {kept}"
+        ) from (causes[0] if causes and isinstance(causes[0], Exception) else None)
 
     def load(
         self,
@@ -167,33 +273,41 @@ class Checkpointer:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         rng_template: Mapping[str, Any],
+        read_loader_state: bool = True,
     ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
         """Load model and optimizer (resharded to the current layout) from ``path``.
 
         Returns ``(trainer_state, dataloader_state, rng_state)``: the JSON state written by
         :meth:`save`, this rank's loader state (rank 0's when the world size changed: the sampler's
-        position is global), and this rank's RNG state (None when the world size changed: the
-        saved ranks are not these ranks). ``rng_template`` is the current RNG state, for shapes.
-        Raises :class:`CheckpointError` naming the file and the mismatch.
+        position is global; None when ``read_loader_state`` is false), and this rank's RNG state
+        (None when the world size changed: the saved ranks are not these ranks). ``rng_template``
+        is the current RNG state, for shapes. Raises :class:`CheckpointError` naming the file and
+        the mismatch.
+
+        Optimizer hyper-parameters (``optim.lr``, ``betas``, ``eps``, ``weight_decay``) come from the
+        current config, not the checkpoint: the moments and step counts are restored, and a changed
+        value is applied and logged (``config.yaml`` records what the run now uses).
         """
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         path = Path(path)
         state, metadata = inspect_checkpoint(path)
+        same_world = state.get("world_size") == get_world_size()
+        rank = get_rank()
+        # Read the loader state first: a missing or garbled file fails before any tensor is loaded.
+        loader_state = _read_loader_state(path, rank if same_world else 0) if read_loader_state else None
 
         model_sd, optim_sd = get_state_dict(model, optimizer)
         _check_shapes(path, metadata, model_sd)
-        same_world = state.get("world_size") == get_world_size()
-        rank = get_rank()
         tensors: dict[str, Any] = {"model": model_sd, "optim": optim_sd["state"]}
         rng_key = f"rng.rank{rank}."
         if same_world and any(k.startswith(rng_key) for k in metadata.state_dict_metadata):
             rng = {k: v.clone() for k, v in rng_template.items() if isinstance(v, torch.Tensor)}
             tensors["rng"] = {f"rank{rank}": rng}
+        param_groups = _current_param_groups(path, state["optimizer_param_groups"], optim_sd["param_groups"])
         try:
-            dcp.load(tensors, checkpoint_id=str(path))
-            param_groups = _restore_param_groups(state["optimizer_param_groups"], optim_sd["param_groups"])
+            dcp.load(tensors, storage_reader=safe_reader(str(path)))
             set_state_dict(
                 model,
                 optimizer,
@@ -202,30 +316,78 @@ class Checkpointer:
             )
         except CheckpointError:
             raise
-        # DCP reports failures as CheckpointException, a BaseException: name the checkpoint, keep the cause.
+        # DCP reports failures as CheckpointException, a BaseException: name the checkpoint and the
+        # first cause in one line (its remote tracebacks, and torch.load's advice to pass
+        # weights_only=False, help nobody whose checkpoint file was damaged).
         except (Exception, dcp.CheckpointException) as exc:
-            raise CheckpointError(f"could not load checkpoint {path}: {type(exc).__name__}: {exc}") from exc
-
-        loader_file = path / f"dataloader_rank{rank if same_world else 0}.json"
-        loader_state = json.loads(loader_file.read_text()) if loader_file.is_file() else None
+            causes = root_causes(exc)
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: reading its tensors failed ({short_cause(causes[0])}); "
+                "a *.distcp file was overwritten or damaged. Resume from an earlier step_* directory "
+                "(checkpoint.resume=auto skips it)"
+            ) from None
         self.last_step = int(state["step"])
         return state, loader_state, tensors.get("rng", {}).get(f"rank{rank}")
 
 
-def _restore_param_groups(saved: list[dict[str, Any]], current: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """JSON turned tuples (AdamW's ``betas``) into lists; give them back their current type."""
+def _read_loader_state(path: Path, rank: int) -> dict[str, Any] | None:
+    """``dataloader_rank<R>.json``; missing or unreadable is an error, never a silent restart at epoch 0."""
+    file = path / f"dataloader_rank{rank}.json"
+    fix = (
+        "resume from an earlier step_* directory, or set checkpoint.restore_data=false to train on "
+        "with a fresh data order (restarting at epoch 0)"
+    )
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint file {file} is missing, so the data position is lost; {fix}")
+    try:
+        value = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint file {file} is unreadable ({exc}); {fix}") from None
+    if value is not None and not isinstance(value, dict):
+        raise CheckpointError(
+            f"checkpoint file {file} holds a JSON {type(value).__name__}, not a loader state; {fix}"
+        )
+    return value
+
+
+# Optimizer hyper-parameters compared on resume (and the config key that sets each).
+_HYPER = {
+    "initial_lr": "optim.lr",
+    "betas": "optim.betas",
+    "eps": "optim.eps",
+    "weight_decay": "optim.weight_decay",
+}
+
+
+def _current_param_groups(
+    path: Path, saved: list[dict[str, Any]], current: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The current optimizer's parameter groups (the config's hyper-parameters win), after checking
+    that the checkpoint has as many; a changed hyper-parameter is logged."""
     if len(saved) != len(current):
         raise CheckpointError(
-            f"the checkpoint's optimizer has {len(saved)} parameter groups, this one {len(current)}"
+            f"checkpoint {path}: its optimizer has {len(saved)} parameter groups, this one {len(current)} "
+            "(another optimizer or parameter grouping); resume with the recipe that saved it"
         )
-    restored = []
+    changes = set()
     for old, new in zip(saved, current):
-        group = dict(old)
-        for key, value in group.items():
-            if isinstance(new.get(key), tuple) and isinstance(value, list):
-                group[key] = tuple(value)
-        restored.append(group)
-    return restored
+        if not isinstance(old, dict):
+            raise CheckpointError(
+                f"checkpoint file {path / TRAINER_STATE}: optimizer_param_groups is damaged"
+            )
+        for key, name in _HYPER.items():
+            before, after = old.get(key), new.get(key)
+            if isinstance(after, tuple):
+                before = tuple(before) if isinstance(before, list) else before
+            if before is not None and after is not None and before != after:
+                changes.add(f"{name} {before} -> {after}")
+    if changes:
+        logger.warning(
+            "resuming %s with changed optimizer settings, applied from the config: %s",
+            path,
+            "; ".join(sorted(changes)),
+        )
+    return [dict(group) for group in current]
 
 
 def inspect_checkpoint(path: Path) -> tuple[dict[str, Any], Any]:
@@ -242,10 +404,13 @@ def inspect_checkpoint(path: Path) -> tuple[dict[str, Any], Any]:
 
 
 def _read_dcp_metadata(path: Path) -> Any:
-    import torch.distributed.checkpoint as dcp
-
     try:
-        return dcp.FileSystemReader(str(path)).read_metadata()
+        return safe_reader(str(path)).read_metadata()
+    except UnsafeMetadataError as exc:
+        raise CheckpointError(
+            f"checkpoint file {path / METADATA} is not a DCP index and was not loaded: {exc}. Only "
+            "load checkpoints written by portatrain (or torch.distributed.checkpoint)"
+        ) from None
     except Exception as exc:
         raise CheckpointError(
             f"checkpoint file {path / METADATA} is unreadable ({type(exc).__name__}: {exc}); "

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,9 @@ class CheckpointError(UserError, ValueError):
 
     The message names the file and the mismatch, and says how to fix it.
     """
+
+    same_on_every_rank = True
+    """Raised on every rank with the same message: under torchrun the CLI prints it once (rank 0)."""
 
 
 def some(keys: list[str], limit: int = 6) -> str:
@@ -74,3 +79,60 @@ def broadcast_from_main(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+LEFTOVER_SUFFIXES = (".tmp", ".old", ".deleting")
+"""Names a killed save or rotation can leave beside ``step_<N>``: never read, removed by the next save."""
+
+
+def step_of(path: Path) -> int:
+    """The step number of a ``step_<N>`` directory."""
+    match = STEP_DIR.match(path.name)
+    if match is None:
+        raise ValueError(f"{path} is not a step_<N> directory")
+    return int(match.group(1))
+
+
+def remove_leftovers(folder: Path) -> None:
+    """Delete what killed saves and rotations left (``step_<N>.tmp/.old/.deleting``)."""
+    for path in folder.iterdir():
+        if path.name.startswith("step_") and path.name.endswith(LEFTOVER_SUFFIXES):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank (collective; one tiny all-gather, once per save)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    flags: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(flag))
+    return any(flags)
+
+
+def root_causes(error: BaseException) -> list[BaseException]:
+    """The exceptions behind ``error``: each rank's failure of a DCP ``CheckpointException``, or
+    the end of the ``__cause__`` chain."""
+    failures = getattr(error, "failures", None)
+    found = [pair[0] for pair in failures.values()] if isinstance(failures, dict) and failures else [error]
+    causes = []
+    for exc in found:
+        while exc.__cause__ is not None:
+            exc = exc.__cause__
+        causes.append(exc)
+    return causes
+
+
+def is_disk_full(error: BaseException) -> bool:
+    return (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left on device" in str(
+        error
+    )
+
+
+def short_cause(error: BaseException) -> str:
+    """``Type: first line`` of an exception, without torch.load's advice to set weights_only=False
+    (never the fix for a damaged checkpoint)."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    for marker in (" Please file an issue", "(1) ", "In PyTorch 2.6", "weights_only"):
+        if marker in text:
+            text = text[: text.index(marker)].rstrip(" .:,;") or text
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

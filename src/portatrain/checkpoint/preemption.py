@@ -1,9 +1,12 @@
-"""Preemption: SIGTERM (what schedulers and torchrun send before killing) -> save and stop at a step boundary."""
+"""Preemption and Ctrl-C: SIGTERM (what schedulers and torchrun send before killing) and SIGINT -> save
+and stop at a step boundary; a second SIGINT exits at once."""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -14,7 +17,9 @@ logger = logging.getLogger(__name__)
 
 
 class PreemptionWatcher:
-    """SIGTERM (what schedulers and torchrun send before killing) -> save and stop at a step boundary.
+    """SIGTERM (what schedulers and torchrun send before killing) or Ctrl-C (SIGINT) -> save and stop
+    at a step boundary. A second SIGINT exits at once (status 130, no traceback, nothing saved:
+    the newest complete checkpoint stays the one to resume from).
 
     The handler only sets a flag. :meth:`should_stop`, called once per step by every rank, agrees
     on it across ranks (a MAX all-reduce over a CPU/gloo group: the signal may reach ranks in
@@ -22,7 +27,7 @@ class PreemptionWatcher:
     per step when there is more than one rank, and never a device synchronization.
     """
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
         self.signals = signals
         self.requested = False
         self._previous: dict[int, Any] = {}
@@ -43,10 +48,16 @@ class PreemptionWatcher:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.requested:
+            # The user insists: leave now. os._exit, not an exception: a KeyboardInterrupt raised
+            # inside a collective or a save would print a traceback and could be swallowed.
+            print("second interrupt: exiting now without saving", file=sys.stderr, flush=True)
+            os._exit(128 + signal.SIGINT)
         self.requested = True
         logger.warning(
-            "received %s: saving a checkpoint at the next step boundary, then stopping",
+            "received %s: saving a checkpoint at the next step boundary, then stopping%s",
             signal.Signals(signum).name,
+            " (press Ctrl-C again to exit at once)" if signum == signal.SIGINT else "",
         )
 
     def should_stop(self) -> bool:
