@@ -38,6 +38,7 @@ COMMANDS: dict[str, str] = {
     "plan": "portatrain.commands.plan",  # = dry_run=true: size and memory, nothing allocated
     "render": "portatrain.commands.render",  # a SLURM/Kubernetes job for this config
     "submit": "portatrain.commands.submit",  # ... written to the run directory and submitted
+    "parity": "portatrain.commands.parity",  # a device against an fp32 CPU run, module by module
     "kernels": "portatrain.commands.kernels",  # kernel overrides: list, parity check
     "audit": "portatrain.commands.audit",  # static scan of code for what breaks off NVIDIA
 }
