@@ -25,7 +25,9 @@ class DeviceConfig:
     type: str = "auto"
     """Accelerator to run on: ``auto`` (tpu -> neuron -> cuda -> cpu), ``cpu``, ``cuda``, ``tpu``, ``neuron``, ``mps``."""
     index: int | None = None
-    """Device index; default is ``LOCAL_RANK`` under torchrun, else 0."""
+    """Requested device index; default is ``LOCAL_RANK`` under torchrun, else 0. Adapters whose
+    runtime binds each process to its own device override it (TPU: every worker drives ``tpu:0``;
+    Neuron: ``neuron:0`` when the process sees one core)."""
 
 
 @dataclass

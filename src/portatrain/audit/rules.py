@@ -72,7 +72,7 @@ _RULES: tuple[Rule, ...] = (
         1,
         "device placement",
         "`torch.cuda.set_device` exists only for CUDA",
-        "`torch.accelerator.set_device_index(local_rank)` (portatrain: the adapter's `set_device()`)",
+        "portatrain's adapter `set_device()`: it picks the index from what the process sees (TorchTPU binds each worker to `tpu:0`; elsewhere `torch.accelerator.set_device_index(local_rank)`)",
     ),
     Rule(
         "ddp-device-ids",
