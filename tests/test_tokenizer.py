@@ -32,7 +32,7 @@ def make_bpe_tokenizer(
     out: Path, *, vocab_size: int = 400, llama3_style: bool = True, bos: bool = True, texts=None
 ) -> Path:
     """Train a small byte-level BPE tokenizer on the bundled corpus and save it as a HF directory."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     if llama3_style:
@@ -50,6 +50,11 @@ def make_bpe_tokenizer(
         vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(texts or generate_corpus(300, seed=5), trainer)
+    if bos:  # as Llama 3's tokenizer.json: transformers adds BOS (portatrain adds its own, see tokenizer.py)
+        tok.post_processor = processors.TemplateProcessing(
+            single="<|begin_of_text|> $A",
+            special_tokens=[("<|begin_of_text|>", tok.token_to_id("<|begin_of_text|>"))],
+        )
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     config = {
@@ -152,4 +157,5 @@ def test_copied_files_load_with_transformers(bpe_dir, tmp_path):
     ours = build_tokenizer(str(bpe_dir))
     text = "Ada gave the lamp to Ben."
     assert hf(text, add_special_tokens=False)["input_ids"] == ours.encode(text, bos=False, eos=False)
+    assert hf(text)["input_ids"] == ours.encode(text, eos=False)  # BOS from the post-processor
     assert hf.eos_token_id == ours.eos_id and hf.bos_token_id == ours.bos_id

@@ -1,0 +1,140 @@
+"""Done-when of the real-data issue: train the debug recipe from a prepared corpus with a locally
+built BPE tokenizer, resume mid-epoch bit-exactly on 1 and on 2 ranks, export, generate with transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from portatrain.checkpoint import complete_checkpoints
+from portatrain.trainer import Trainer
+from tests.helpers import ROOT, TINY, compose_config, run_cli, step_losses
+from tests.test_tokenizer import make_bpe_tokenizer
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+STEPS, STOP = 8, 4
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A BPE tokenizer directory and the bundled corpus prepared with it by ``portatrain prepare``."""
+    root = tmp_path_factory.mktemp("e2e")
+    tokenizer = make_bpe_tokenizer(root / "tokenizer")
+    out = run_cli(
+        ["prepare", "out=corpus", "data.tokenizer=tokenizer", "data.num_documents=300", "workers=1"], cwd=root
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "prepared 300 documents" in out.stdout
+    return tokenizer, root / "corpus"
+
+
+def _run(prepared: tuple[Path, Path], *extra: str) -> list[str]:
+    tokenizer, corpus = prepared
+    return [*TINY, f"trainer.steps={STEPS}", f"data.dataset={corpus}", f"data.tokenizer={tokenizer}", *extra]
+
+
+class StopAt(Trainer):
+    def on_step_end(self, step: int, metrics: dict) -> None:
+        if step == STOP and self.dist.is_main:
+            self.preemption.requested = True
+
+
+def _torchrun(args: list[str], cwd: Path, *, stop: bool) -> None:
+    script = cwd / "stop_at.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            from portatrain.cli import main
+            from portatrain.trainer import Trainer
+
+            class StopAt(Trainer):
+                def on_step_end(self, step, metrics):
+                    if {stop!r} and step == {STOP} and self.dist.is_main:
+                        self.preemption.requested = True
+
+            main(trainer_cls=StopAt)
+            """
+        )
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("WORLD_SIZE", None)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(script),
+        *args,
+    ]
+    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def _loader_position(run_dir: Path, rank: int = 0) -> dict:
+    (ckpt,) = complete_checkpoints(run_dir / "checkpoints")[:1]
+    return json.loads((ckpt / f"dataloader_rank{rank}.json").read_text())["stream"]
+
+
+def test_one_rank_trains_resumes_mid_epoch_exports_and_generates(prepared, tmp_path):
+    reference_dir = tmp_path / "reference"
+    trainer = Trainer(
+        compose_config(_run(prepared, "data.batch_size=8", "checkpoint.enabled=false"), reference_dir)
+    )
+    assert trainer.tokenizer.vocab_size == 400 and trainer.data.streaming
+    assert trainer.model.embed_tokens.weight.shape[0] == 400  # the embedding follows the tokenizer
+    trainer.fit()
+    trainer.close()
+    reference = step_losses(reference_dir)
+    assert sorted(reference) == list(range(1, STEPS + 1)) and reference[STEPS] < reference[1]
+
+    run_dir = tmp_path / "run"
+    stopped = StopAt(compose_config(_run(prepared, "data.batch_size=8"), run_dir))
+    stopped.fit()
+    stopped.close()
+    position = _loader_position(run_dir)
+    assert position["epoch"] == 0 and position["batch"] + position["window"] > 0  # mid-epoch
+    resumed = Trainer(compose_config(_run(prepared, "data.batch_size=8", "checkpoint.resume=auto"), run_dir))
+    assert resumed.step == STOP
+    resumed.fit()
+    resumed.close()
+    assert step_losses(run_dir) == reference  # bit-exact
+
+    out = tmp_path / "hf"
+    export = run_cli(["export", f"run_dir={run_dir}", f"out={out}"], cwd=tmp_path)
+    assert export.returncode == 0, export.stderr[-2000:]
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= {p.name for p in out.iterdir()}
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    prompt = "Once, Ada walked to the"
+    ids = hf_tok(prompt, return_tensors="pt")
+    assert ids["input_ids"][0].tolist() == resumed.tokenizer.encode(prompt, eos=False)
+    generated = model.generate(**ids, max_new_tokens=8, do_sample=False, pad_token_id=hf_tok.pad_token_id)
+    assert generated.shape[1] == ids["input_ids"].shape[1] + 8 or hf_tok.eos_token_id in generated[0].tolist()
+    assert hf_tok.decode(generated[0], skip_special_tokens=True).startswith(prompt)
+
+
+def test_two_ranks_resume_mid_epoch_bit_exactly(prepared, tmp_path):
+    two = ["data.batch_size=4", "parallel.dp_shard=2"]
+    _torchrun(
+        [*_run(prepared, *two, "checkpoint.enabled=false"), f"run_dir={tmp_path / 'ref'}"],
+        tmp_path,
+        stop=False,
+    )
+    reference = step_losses(tmp_path / "ref")
+    assert sorted(reference) == list(range(1, STEPS + 1))
+
+    run_dir = tmp_path / "run"
+    _torchrun([*_run(prepared, *two), f"run_dir={run_dir}"], tmp_path, stop=True)
+    assert _loader_position(run_dir, 0) == _loader_position(run_dir, 1)  # one global position
+    assert _loader_position(run_dir)["epoch"] == 0
+    _torchrun([*_run(prepared, *two, "checkpoint.resume=auto"), f"run_dir={run_dir}"], tmp_path, stop=False)
+    assert step_losses(run_dir) == reference  # bit-exact on 2 ranks
