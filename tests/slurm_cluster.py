@@ -9,11 +9,11 @@ Clients find the cluster through ``SLURM_CONF`` (``cluster.env``).
 The configuration is the smallest that runs real jobs in a container: ``select/cons_tres``, one
 partition, ``proctrack/linuxproc`` (tracks a step's processes through /proc, no cgroups needed) and
 ``task/none``. Several nodes share this host: each ``slurmd -N NAME`` listens on its own port
-(``NodeName=... Port=...``), which Debian's 22.05 build accepts. The first node is named
-``localhost`` so that the head node name the sbatch script reads from ``scontrol show hostnames``
-resolves (on a real cluster node names are host names).
+(``NodeName=... Port=...``), which Debian's 22.05 build accepts (a second ``NodeName=localhost`` was
+refused: "Duplicated NodeHostName"). The first node is named after this host, the others ``node2``...;
+all have ``NodeAddr=127.0.0.1``, which is what the sbatch script reads for the rendezvous host.
 
-Where ``apt-get`` is missing or we are not root, ``unavailable_reason()`` says so and the tests skip;
+Where ``apt-get`` is missing or we are not root, :func:`install` says so and the tests skip;
 ``PORTATRAIN_REQUIRE_SLURM=1`` turns that skip into a failure (for CI, where SLURM must run).
 """
 
@@ -86,7 +86,7 @@ class SlurmCluster:
 
     def _write_config(self) -> None:
         r = self.root
-        for sub in ("munge", "state", "spool", "log"):
+        for sub in ("munge", "state", "spool", "log", *(f"spool/{name}" for name in self.node_names)):
             (r / sub).mkdir(mode=0o700, exist_ok=True)
         key = r / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
@@ -169,6 +169,10 @@ class SlurmCluster:
         """Cancel every job, stop the daemons this cluster started, delete its directory."""
         if self.conf.exists():
             self.run("scancel", "--full", "-u", "root", check=False)
+            for _ in range(60):  # let the jobs' processes exit before their slurmd goes
+                if not self.run("squeue", "-h", check=False).stdout.strip():
+                    break
+                time.sleep(0.5)
         for pidfile in reversed(self._pidfiles):  # slurmds, then slurmctld, then munged
             try:
                 pid = int(pidfile.read_text().split()[0])
