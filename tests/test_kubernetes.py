@@ -198,7 +198,7 @@ def test_pytorchjob_for_trainium_survives_a_cluster() -> None:
     script = container["command"][2]
     assert container["command"][:2] == ["bash", "-c"] and script.startswith("exec torchrun ")
     # Node rank from the operator's pod rank (master 0): a static rendezvous.
-    for arg in ("--nnodes=$(PET_NNODES)", "--node-rank=$(PET_NODE_RANK)", "--master-addr=$(PET_MASTER_ADDR)"):
+    for arg in ('--nnodes="$PET_NNODES"', '--node-rank="$PET_NODE_RANK"', '--master-addr="$PET_MASTER_ADDR"'):
         assert f" {arg} " in script
     assert "--rdzv-backend" not in script and " --shutdown-timeout=180 " in script
     assert script.endswith(

@@ -385,12 +385,12 @@ def render_pytorchjob(cfg: Any, overrides: Sequence[str], name: str) -> str:
     launch = cfg.parallel.launch
     torchrun = [
         "torchrun",
-        # Set by the training operator for every pod: master 0, workers 1.. (static rendezvous).
-        "--nnodes=$(PET_NNODES)",
-        "--node-rank=$(PET_NODE_RANK)",
+        # Set by the training operator in every pod: master 0, workers 1.. (static rendezvous).
+        '--nnodes="$PET_NNODES"',
+        '--node-rank="$PET_NODE_RANK"',
         f"--nproc-per-node={launch.procs_per_node}",
-        "--master-addr=$(PET_MASTER_ADDR)",
-        "--master-port=$(PET_MASTER_PORT)",
+        '--master-addr="$PET_MASTER_ADDR"',
+        '--master-port="$PET_MASTER_PORT"',
         f"--rdzv-id={name}",
         f"--shutdown-timeout={_grace(cfg)}",
     ]
