@@ -19,9 +19,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("accelerators",),  # device adapters
     ("distributed", "parallel", "kernels"),  # process groups; parallel dims, mesh, FSDP/TP; kernel overrides
     ("models", "data"),  # model families (parallelize.py uses parallel/); the data pipeline
-    ("compile", "losses", "optim", "profiling", "metrics", "checkpoint", "rundir"),  # stages the trainer uses
-    ("trainer", "plan", "export", "audit"),  # the loop; the dry run; HF export; static audit
+    # stages the trainer uses; the audit (static scan, runtime audit)
+    ("compile", "losses", "optim", "profiling", "metrics", "checkpoint", "rundir", "audit"),
+    ("trainer", "plan", "export"),  # the loop; the dry run; HF export
     ("bench", "launch"),  # commands' engines built on the trainer / the layout
+    ("report",),  # the portability report: audit + runtime audit + parity + bench
     ("validate",),  # asks every stage for its problems
     ("commands",),  # one module per command
     ("cli",),  # dispatch

@@ -159,3 +159,24 @@ def test_copied_files_load_with_transformers(bpe_dir, tmp_path):
     assert hf(text, add_special_tokens=False)["input_ids"] == ours.encode(text, bos=False, eos=False)
     assert hf(text)["input_ids"] == ours.encode(text, eos=False)  # BOS from the post-processor
     assert hf.eos_token_id == ours.eos_id and hf.bos_token_id == ours.bos_id
+
+
+def test_chat_records_train_only_the_assistant_turns(bpe_dir):
+    pytest.importorskip("transformers")
+    from portatrain.data.documents import encode_payloads
+
+    tok = build_tokenizer(str(bpe_dir))
+    messages = [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": "6."},
+    ]
+    [(tokens, mask)] = encode_payloads(tok, [messages], "chat")
+    assert tokens[0] == tok.bos_id and tokens[-1] == tok.eos_id and len(tokens) == len(mask)
+    trained = tok.decode([t for t, m in zip(tokens.tolist(), mask.tolist()) if m])
+    untrained = tok.decode([t for t, m in zip(tokens.tolist(), mask.tolist()) if not m])
+    assert "4." in trained and "6." in trained
+    assert "What is 2+2?" in untrained and "And 3+3?" in untrained and "2+2" not in trained
+    with pytest.raises(DataError, match="needs a tokenizer with a chat_template"):
+        encode_payloads(build_tokenizer("byte"), [messages], "chat")

@@ -335,6 +335,48 @@ class BenchConfig:
 
 
 @dataclass
+class RuntimeAuditConfig:
+    """The ``audit`` section: what a training run watches about itself (``portatrain.audit.runtime``).
+
+    Named apart from ``portatrain.audit.AuditConfig``, the static scan's per-project file config.
+    """
+
+    runtime: bool = False
+    """Write, with every logged step, the host syncs, CPU fallbacks and mixed-device ops of the steps
+    since the previous log (the sim device's counters, or the vendor's fallback report through the
+    accelerator adapter where one exists; null where none does) and the graph breaks and recompiles."""
+    nonfinite: bool = False
+    """Debugging mode: check every module's output (and each gradient) and stop at the first NaN/inf,
+    naming the module, the tensor and the step. Syncs once per module; needs ``compile.enabled=false``."""
+
+
+@dataclass
+class ReportConfig:
+    """``portatrain report recipe=... device=...``: the six-level portability checklist, from evidence."""
+
+    out: str | None = None
+    """Also write the report here: ``FILE.md`` (JSON beside it), ``FILE.json`` or a directory."""
+    paths: list[str] = field(default_factory=list)
+    """Extra files or folders to audit statically (e.g. the CUDA-first script being ported)."""
+    steps: int = 6
+    """Optimizer steps of the runtime-audit run (logged twice: every ``steps // 2``)."""
+    bench_warmup_steps: int = 2
+    """Bench steps after the cold-start step that are not measured."""
+    bench_steps: int = 4
+    """Bench steps measured for steady state (raise it for a stable median)."""
+    parity: bool = True
+    """Run ``portatrain parity`` for numerical correctness when that command is available."""
+    max_cold_start_s: float | None = 120.0
+    """Cold start (to the end of step 1) that passes; None: no verdict."""
+    min_tokens_per_s: float | None = None
+    """Steady-state tokens/s (all devices) that passes, e.g. the SLA; None: no verdict."""
+    min_mfu: float | None = None
+    """Steady-state MFU (0-1) that passes; None: no verdict."""
+    max_cost_per_million_tokens: float | None = None
+    """USD per million tokens that passes (e.g. the NVIDIA baseline's); needs ``bench.price_per_hour``."""
+
+
+@dataclass
 class KernelsConfig:
     enabled: list[str] = field(default_factory=list)
     """Kernel overrides to apply, by name (opt-in)."""
@@ -363,6 +405,8 @@ class Config:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    audit: RuntimeAuditConfig = field(default_factory=RuntimeAuditConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
 
 
 def run_id() -> str:

@@ -44,6 +44,7 @@ from torch import nn
 from tqdm import tqdm
 
 from portatrain.accelerators import Accelerator, resolve_accelerator
+from portatrain.audit.runtime import RuntimeAudit
 from portatrain.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -208,6 +209,8 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.compile_monitor = CompileMonitor(cfg.compile)  # graph counts, recompile guard
+        # audit.runtime / audit.nonfinite (portatrain.audit.runtime); off by default, free when off.
+        self.runtime_audit = RuntimeAudit(cfg.audit, self.accelerator, self.model)
         if self.resume_from is not None:
             self.load_checkpoint(self.resume_from)
         elif cfg.model.init_from:
@@ -417,6 +420,7 @@ class Trainer:
             if self.preempted:  # stopped between warm-up shapes: nothing trained, nothing to save
                 logger.warning("stopped during compile warm-up at step %d on request", self.step)
         while self.step < cfg.steps and not self.preempted:
+            self.runtime_audit.step_begin(self.step + 1)
             batches = [next(data_iter) for _ in range(cfg.grad_accum)]
             with self.compile_monitor.watch(batches):
                 metrics = self.train_step(batches)
@@ -430,6 +434,7 @@ class Trainer:
             stop = self.preemption.should_stop()  # agreed by all ranks
             save_now = checkpointing and (stop or self.checkpointer.due(self.step))
             if self.step % cfg.log_every == 0 or self.step == cfg.steps or save_now:
+                audit = self.runtime_audit.window_end()  # before this block's own (expected) syncs
                 self.accelerator.synchronize()
                 elapsed = time.perf_counter() - window_start
                 window = torch.stack(
@@ -459,6 +464,7 @@ class Trainer:
                     ),
                     **memory_metrics(self.accelerator.memory_stats()),
                     **self.compile_monitor.metrics(),
+                    **audit,
                 }
                 if self.nonfinite_skipped:
                     last["nonfinite_skipped"] = self.nonfinite_skipped
@@ -571,6 +577,7 @@ class Trainer:
             logger.info("resumed from %s at step %d", path, self.step)
 
     def close(self) -> None:
+        self.runtime_audit.close()
         self.compile_monitor.close()
         self.preemption.uninstall()
         self.metrics.close()

@@ -10,6 +10,7 @@ command that composes a config.
 from __future__ import annotations
 
 from portatrain.accelerators import ACCELERATORS
+from portatrain.audit.runtime import runtime_audit_problems
 from portatrain.bench import bench_problems
 from portatrain.compile import compile_problems
 from portatrain.config import CheckpointConfig, Config, DataConfig, TrainerConfig
@@ -23,6 +24,7 @@ from portatrain.optim import optim_problems
 from portatrain.parallel.activation_checkpoint import AC_MODES
 from portatrain.parallel.parallel_dims import expected_world_size, parallel_problems
 from portatrain.profiling import profile_problems
+from portatrain.report import report_problems
 
 
 def validate(cfg: Config) -> None:
@@ -44,6 +46,8 @@ def config_problems(cfg: Config) -> list[str]:
     problems += kernel_problems(list(cfg.kernels.enabled), cfg.device.type)
     problems += profile_problems(cfg.profile)
     problems += bench_problems(cfg.bench)
+    problems += runtime_audit_problems(cfg.audit, cfg.compile)
+    problems += report_problems(cfg.report)
     problems += dtype_problem("export.dtype", cfg.export.dtype)
     if cfg.parallel.activation_checkpointing not in AC_MODES:
         problems.append(

@@ -219,6 +219,15 @@ class Accelerator:
     def describe(self) -> str:
         return f"{self.name}:{self.index}"
 
+    def take_fallback_report(self) -> dict[str, int] | None:
+        """Operations the backend ran on the host CPU since the previous call (op -> count), then
+        reset; None where the backend reports none (the runtime audit then writes "not available").
+
+        Override where the vendor stack exposes its CPU-fallback accounting (TorchTPU logs fallbacks
+        under ``TPU_LOG_OP_FALLBACK=1``). The sim device's counters are read by the audit directly.
+        """
+        return None
+
     # -- performance accounting (MFU, profiler) --------------------------------------------
     def device_name(self) -> str:
         """The hardware behind :attr:`device`, as the peak-FLOPs table and bench reports name it."""

@@ -41,6 +41,7 @@ COMMANDS: dict[str, str] = {
     "parity": "portatrain.commands.parity",  # a device against an fp32 CPU run, module by module
     "kernels": "portatrain.commands.kernels",  # kernel overrides: list, parity check
     "audit": "portatrain.commands.audit",  # static scan of code for what breaks off NVIDIA
+    "report": "portatrain.commands.report",  # the portability checklist, filled from evidence
 }
 """Command name -> module. ``dry_run=true`` runs ``plan`` whatever the command."""
 
