@@ -343,3 +343,29 @@ def test_inductor_on_sim_matches_cpu(tmp_path: Path) -> None:
         assert step_c == step_s
         assert loss_s == pytest.approx(loss_c, abs=1e-5)
         assert gn_s == pytest.approx(gn_c, rel=1e-5)
+
+
+def test_trainer_step_on_sim_makes_no_host_sync_or_fallback(tmp_path: Path) -> None:
+    """STYLE rule 18 on the device that counts: three ``train_step`` calls, zero offences."""
+    out = run_python(
+        f"""
+        from pathlib import Path
+        from tests.helpers import TINY, compose_config
+        from portatrain.accelerators.sim import counters
+        from portatrain.trainer import Trainer
+
+        overrides = [o for o in TINY if not o.startswith("device=")] + ["device=sim", "checkpoint.enabled=false"]
+        trainer = Trainer(compose_config(overrides, Path({str(tmp_path / "run")!r})))
+        batches = iter(trainer.train_loader)
+        first = next(batches)
+        trainer.train_step([first])                     # first step: lazy optimizer state
+        counters.reset()
+        with counters.expect_no_sync_or_fallback() as seen:
+            for _ in range(3):
+                trainer.train_step([next(batches)])
+        print("transfers", seen.transfers)
+        trainer.close()
+        """,
+        env={"PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"},
+    )
+    assert out.strip().splitlines()[-1].startswith("transfers {'h2d':")

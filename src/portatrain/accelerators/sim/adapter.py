@@ -6,9 +6,14 @@ and installs the device; merely importing this module does neither. Not part of 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from portatrain.accelerators.base import Accelerator
+
+if TYPE_CHECKING:
+    from portatrain.accelerators.sim.counters import Counts
 
 
 class SimAccelerator(Accelerator):
@@ -58,3 +63,10 @@ class SimAccelerator(Accelerator):
 
     def device_name(self) -> str:
         return f"portatrain sim ({self.device_type}, CPU kernels)"
+
+    def take_runtime_counters(self) -> Counts:
+        """Host syncs, mixed-device ops and unsupported-op fallbacks since the last call, each with
+        the stack of its first occurrence; resets them (see :mod:`portatrain.accelerators.sim.counters`)."""
+        from portatrain.accelerators.sim import counters
+
+        return counters.take()
