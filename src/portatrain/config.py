@@ -248,6 +248,12 @@ class CompileConfig:
     on_recompile: str = "error"
     """After warm-up, an unexpected recompile ``error``s (stops before compiling, naming the shape and
     the failed guard) or ``warn``s (logs the same, compiles and continues)."""
+    cache: bool = True
+    """Keep compiled graphs for restarts of the run: inductor's FX graph and AOTAutograd caches, PyTorch's
+    portable cache artifacts and the vendor compiler's cache, under ``cache_dir`` (``portatrain.compile``)."""
+    cache_dir: str | None = None
+    """Where the compile cache lives; default ``<run_dir>/compile_cache``. A shared path lets several
+    runs (same torch version, model and shapes) reuse each other's compilations."""
 
 
 @dataclass

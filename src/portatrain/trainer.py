@@ -57,7 +57,7 @@ from portatrain.checkpoint import (
     resolve_resume,
 )
 from portatrain.checkpoint.common import broadcast_from_main
-from portatrain.compile import CompileMonitor, block_compiler, warmup_batches
+from portatrain.compile import CompileCache, CompileMonitor, block_compiler, warmup_batches
 from portatrain.config import Config
 from portatrain.data.loader import batch_shapes, build_collator, build_dataloader
 from portatrain.data.pipeline import build_data
@@ -161,6 +161,12 @@ class Trainer:
         self.train_documents, self.eval_documents = self.data.train_documents, self.data.eval_documents
         self.train_loader = self.build_dataloader(self.train_documents, train=True)
 
+        # Before anything compiles: compiled graphs persist under the run dir (compile.cache).
+        self.compile_cache = CompileCache.for_run(
+            cfg.compile, self.run_dir, self.accelerator, is_main=self.dist.is_main
+        )
+        if self.compile_cache is not None:
+            self.compile_cache.activate()
         with torch.device("meta"):
             model = self.build_model()
         # Kernel overrides (kernels.enabled), resolved once and swapped into the model's op slots
@@ -208,7 +214,8 @@ class Trainer:
         )
         self.step = 0
         self.tokens_seen = 0
-        self.compile_monitor = CompileMonitor(cfg.compile)  # graph counts, recompile guard
+        # graph counts, recompile guard; saves the compile cache after steps that compiled
+        self.compile_monitor = CompileMonitor(cfg.compile, cache=self.compile_cache)
         # audit.runtime / audit.nonfinite (portatrain.audit.runtime); off by default, free when off.
         self.runtime_audit = RuntimeAudit(cfg.audit, self.accelerator, self.model)
         if self.resume_from is not None:

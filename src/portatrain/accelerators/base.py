@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -218,6 +219,15 @@ class Accelerator:
 
     def describe(self) -> str:
         return f"{self.name}:{self.index}"
+
+    def compile_cache_env(self, cache_dir: Path) -> dict[str, str]:
+        """Environment variables that point the vendor compiler's own on-disk cache into
+        ``cache_dir`` (``compile.cache``), set by ``portatrain.compile.CompileCache`` before the first
+        compilation. Empty here: inductor's caches (cpu/cuda) are set there directly, and TorchTPU's
+        ``tpu`` backend stores its compiled graphs through PyTorch's own AOTAutograd cache, which
+        lives under the same ``TORCHINDUCTOR_CACHE_DIR`` (torch_tpu 0.2.0
+        ``_internal/compile/_backend.py``: ``_CacheSavesManager`` wraps ``AOTAutogradCache.save``)."""
+        return {}
 
     def take_fallback_report(self) -> dict[str, int] | None:
         """Operations the backend ran on the host CPU since the previous call (op -> count), then

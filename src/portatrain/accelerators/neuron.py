@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -69,6 +70,17 @@ class NeuronAccelerator(Accelerator):
     compile_backend = "neuron"
     # Unverified: kept from the launch articles (one compiled graph per input shape).
     static_shapes = True
+
+    def compile_cache_env(self, cache_dir: Path) -> dict[str, str]:
+        """The NEFF cache in ``cache_dir/neuron``, unless the user set one: ``TORCH_NEURONX_NEFF_CACHE_DIR``
+        ("Directory for the NEFF compilation cache", tools/neuron-explorer/environment-variables.rst)
+        and ``NEURON_COMPILE_CACHE_URL`` (neuronx-cc's persistent cache, default
+        ``/var/tmp/neuron-compile-cache``; about-neuron/arch/neuron-features/neuron-caching.rst).
+        Not verified on Trainium: whether TorchNeuron reads them at import (autoloaded with
+        ``import torch``) or at compile time; set them in ``launch.env`` to be sure."""
+        path = str(Path(cache_dir, "neuron").resolve())
+        names = ("TORCH_NEURONX_NEFF_CACHE_DIR", "NEURON_COMPILE_CACHE_URL")
+        return {name: path for name in names if name not in os.environ}
 
     def unavailable_reason(self) -> str | None:
         chip = os.environ.get(NEURON_CHIP_ENV)

@@ -1,0 +1,82 @@
+"""Compiled graphs survive a restart (``compile.cache``, ``portatrain.compile.CompileCache``).
+
+The end-to-end test trains a tiny compiled model in two fresh processes that share one cache
+directory: the first compiles (cache misses) and saves the portable artifacts, the second must find
+every graph on disk -- inductor's FX graph cache and the AOTAutograd cache report hits and no misses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from portatrain.accelerators.cpu import CPUAccelerator
+from portatrain.accelerators.neuron import NeuronAccelerator
+from portatrain.compile import CompileCache
+from tests.helpers import ROOT, TINY, compose_config
+
+# One process: train 2 compiled steps, print dynamo's cache counters as JSON on the last line.
+SCRIPT = """
+import json, sys
+from torch._dynamo.utils import counters
+from tests.helpers import fit
+fit(sys.argv[2:], __import__("pathlib").Path(sys.argv[1]))
+print(json.dumps({
+    "fx_hit": counters["inductor"]["fxgraph_cache_hit"],
+    "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
+    "aot_hit": counters["aot_autograd"]["autograd_cache_hit"],
+    "aot_miss": counters["aot_autograd"]["autograd_cache_miss"],
+}))
+"""
+
+
+def _train_in_fresh_process(run_dir: Path, overrides: list[str]) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(run_dir), *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_restart_finds_every_compiled_graph_on_disk(tmp_path: Path) -> None:
+    cache = tmp_path / "shared_cache"
+    overrides = ["compile.enabled=true", "trainer.steps=2", f"compile.cache_dir={cache}"]
+    first = _train_in_fresh_process(tmp_path / "first", overrides)
+    assert first["fx_miss"] > 0 and first["fx_hit"] == 0, first
+    assert (cache / CompileCache.ARTIFACTS).stat().st_size > 0
+    assert any((cache / "inductor").iterdir())
+    second = _train_in_fresh_process(tmp_path / "second", overrides)
+    assert second["aot_miss"] == 0 and second["fx_miss"] == 0, second
+    assert second["aot_hit"] + second["fx_hit"] >= first["fx_miss"] // 2, (first, second)
+
+
+def test_cache_location_and_switches(tmp_path: Path) -> None:
+    cpu = CPUAccelerator()
+    on = compose_config([*TINY, "compile.enabled=true"]).compile
+    assert CompileCache.for_run(on, tmp_path, cpu, is_main=True).directory == tmp_path / "compile_cache"
+    shared = compose_config([*TINY, "compile.enabled=true", f"compile.cache_dir={tmp_path / 's'}"]).compile
+    assert CompileCache.for_run(shared, tmp_path, cpu, is_main=True).directory == tmp_path / "s"
+    for off in (["compile.enabled=false"], ["compile.enabled=true", "compile.cache=false"]):
+        assert (
+            CompileCache.for_run(compose_config([*TINY, *off]).compile, tmp_path, cpu, is_main=True) is None
+        )
+    assert cpu.compile_cache_env(tmp_path) == {}
+
+
+def test_neuron_cache_env_points_into_the_cache_unless_set(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("TORCH_NEURONX_NEFF_CACHE_DIR", raising=False)
+    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", "s3://bucket/cache")
+    env = NeuronAccelerator().compile_cache_env(tmp_path)
+    assert env == {"TORCH_NEURONX_NEFF_CACHE_DIR": str((tmp_path / "neuron").resolve())}
