@@ -345,7 +345,8 @@ def render_jobset(cfg: Any, overrides: Sequence[str], name: str) -> str:
         "spec": {
             "failurePolicy": {
                 "maxRestarts": int(launch_setting(launch, "max_restarts")),
-                # An evicted pod (preemption, maintenance) restarts everything without using up a restart.
+                # An evicted pod (preemption, maintenance) restarts everything without using up a restart:
+                # JobSet's own pattern, site/static/examples/failure-policy/host-maintenance-event-model.yaml.
                 "rules": [
                     {
                         "name": "disruption",
