@@ -93,6 +93,9 @@ def test_device_basics_views_rng_and_memory() -> None:
         # storage resize (what FSDP2 does to free and re-gather parameters)
         s = torch.ones(4, device="sim"); s.untyped_storage().resize_(0); s.untyped_storage().resize_(16)
         res["storage_resize"] = s.untyped_storage().nbytes()
+        with torch.autocast("sim", dtype=torch.bfloat16):  # CUDA's autocast lists
+            m = x @ x.t()
+            res["autocast"] = [str(m.dtype), str(torch.log_softmax(m, -1).dtype)]
         print(json.dumps(res))
         """,
         env={"SIM_DEVICE_COUNT": "2"},
@@ -104,6 +107,7 @@ def test_device_basics_views_rng_and_memory() -> None:
     assert res["allocated_delta"] == 4 << 20 and res["freed"] and res["peak"] == 4 << 20
     assert res["accelerator"] == "sim" and res["count"] == 2 and res["device1"] == "sim:1"
     assert res["storage_resize"] == 16
+    assert res["autocast"] == ["torch.bfloat16", "torch.float32"]
 
 
 def test_capacity_raises_out_of_memory_error() -> None:

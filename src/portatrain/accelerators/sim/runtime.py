@@ -249,6 +249,9 @@ def _device_module(ext: Any, name: str) -> types.ModuleType:
         "set_stream": torch.accelerator.set_stream,
         "device": device,
         "get_device_name": lambda device=None: f"portatrain sim ({name}, CPU kernels)",
+        # torch.autocast asks the device module which dtypes it may cast to.
+        "get_amp_supported_dtype": lambda: [torch.float16, torch.bfloat16],
+        "is_bf16_supported": lambda including_emulation=True: True,
     }
     for key, value in functions.items():
         if value is not None:

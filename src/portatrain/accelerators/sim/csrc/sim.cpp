@@ -19,6 +19,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/native/Resize.h>
 #include <ATen/ops/_local_scalar_dense_native.h>
@@ -733,8 +734,24 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&portatrain_sim::sim_fallback>());
 }
 
-// Autocast on the device: matmul-like ops in the low precision, reductions in fp32, as on CUDA.
+// Autocast on the device: CUDA's op lists (torch's own macros), so `torch.autocast("sim", bf16)`
+// runs matmuls and convolutions in bf16 and keeps reductions, norms and losses in fp32.
 TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) { m.fallback(torch::CppFunction::makeFallthrough()); }
+
+namespace at::autocast {
+#define SIM_LOW_PRECISION_FP(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
+#define SIM_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
+#define SIM_FP32_SET_OPT_DTYPE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32_set_opt_dtype)
+#define SIM_FP32_APPEND_DTYPE(...) KERNEL_DIFFERENT_REDISPATCH_SIGNATURE_PRIVATEUSEONE(__VA_ARGS__)
+#define SIM_PROMOTE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, promote)
+TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
+  AT_FORALL_LOWER_PRECISION_FP(SIM_LOW_PRECISION_FP)
+  AT_FORALL_FP32(SIM_FP32)
+  AT_FORALL_FP32_SET_OPT_DTYPE(SIM_FP32_SET_OPT_DTYPE)
+  AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(SIM_FP32_APPEND_DTYPE)
+  AT_FORALL_PROMOTE(SIM_PROMOTE)
+}
+}  // namespace at::autocast
 
 // ------------------------------------------------------------------------------------------
 // Python bindings (private: portatrain.accelerators.sim wraps them)
