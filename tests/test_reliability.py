@@ -349,3 +349,282 @@ def test_lock_file_is_the_only_trace_of_the_lock(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [LOCK_FILE]
     lock.release()
     lock.release()  # idempotent
+
+
+# -- 8. damaged checkpoints -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run that saved steps 1, 2 and 3; tests damage copies of it."""
+    run_dir = tmp_path_factory.mktemp("three") / "run"
+    fit(["trainer.steps=3", "checkpoint.every=1", "checkpoint.keep=0"], run_dir)
+    return run_dir
+
+
+@pytest.fixture
+def run_copy(three_steps: Path, tmp_path: Path) -> Path:
+    shutil.copytree(three_steps, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def _step3(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / "step_0000003"
+
+
+def _resume(run_dir: Path, *overrides: str) -> Trainer:
+    trainer = make_trainer(["trainer.steps=4", *overrides], run_dir)
+    trainer.close()
+    return trainer
+
+
+def test_zero_filled_distcp_is_one_clear_error_and_auto_falls_back(run_copy: Path, caplog) -> None:
+    for file in _step3(run_copy).glob("*.distcp"):
+        file.write_bytes(bytes(file.stat().st_size))  # same size: only reading the tensors finds it
+    with pytest.raises(CheckpointError) as info:
+        _resume(run_copy, f"checkpoint.resume={_step3(run_copy)}")
+    message = str(info.value)
+    assert "step_0000003 is corrupt" in message and "earlier step_*" in message, message
+    assert "weights_only" not in message and "Traceback" not in message and "\n" not in message
+    with caplog.at_level("WARNING"):
+        trainer = _resume(run_copy, "checkpoint.resume=auto")
+    assert trainer.step == 2 and trainer.resume_from.name == "step_0000002"
+    assert "skipping" in caplog.text and "step_0000003" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        (lambda s: {k: v for k, v in s.items() if k != "lr_scheduler"}, "lr_scheduler (missing)"),
+        (lambda s: [s], "holds a JSON list"),
+        (lambda s: {**s, "step": "three"}, "step (str, not int)"),
+    ],
+    ids=["missing-key", "json-list", "wrong-type"],
+)
+def test_damaged_trainer_state_is_one_clear_error(run_copy: Path, damage, expected: str) -> None:
+    file = _step3(run_copy) / "trainer_state.json"
+    file.write_text(json.dumps(damage(json.loads(file.read_text()))))
+    with pytest.raises(CheckpointError, match=re_escape(expected)) as info:
+        _resume(run_copy, f"checkpoint.resume={_step3(run_copy)}")
+    assert str(file) in str(info.value)
+
+
+def re_escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+@pytest.mark.parametrize("content", ["garbage{", '{"unexpected": 1}', "[1, 2]"])
+def test_garbage_loader_state_is_one_clear_error(run_copy: Path, content: str) -> None:
+    (_step3(run_copy) / "dataloader_rank0.json").write_text(content)
+    with pytest.raises(CheckpointError, match="restore_data=false"):
+        _resume(run_copy, f"checkpoint.resume={_step3(run_copy)}")
+
+
+def test_deleted_loader_state_never_restarts_the_data_silently(run_copy: Path) -> None:
+    (_step3(run_copy) / "dataloader_rank0.json").unlink()
+    with pytest.raises(CheckpointError, match="dataloader_rank0.json is missing") as info:
+        _resume(run_copy, f"checkpoint.resume={_step3(run_copy)}")
+    assert "checkpoint.restore_data=false" in str(info.value)
+    trainer = _resume(run_copy, f"checkpoint.resume={_step3(run_copy)}", "checkpoint.restore_data=false")
+    assert trainer.step == 3  # the explicit choice to restart the data order works
+
+
+def test_incomplete_newest_checkpoint_is_skipped_with_a_warning(run_copy: Path, caplog) -> None:
+    (_step3(run_copy) / ".metadata").unlink()
+    with caplog.at_level("WARNING"):
+        trainer = _resume(run_copy, "checkpoint.resume=auto")
+    assert trainer.step == 2
+    assert "skipping broken checkpoint" in caplog.text and "step_0000003" in caplog.text
+
+
+def test_trainer_steps_below_the_checkpoint_is_an_error(run_copy: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"at step 3, past trainer.steps=2"):
+        trainer = make_trainer(["trainer.steps=2", "checkpoint.resume=auto"], run_copy)
+        trainer.close()
+
+
+def test_changed_optimizer_settings_are_applied_and_logged(run_copy: Path, caplog) -> None:
+    saved = read_trainer_state(_step3(run_copy))["optimizer_param_groups"]
+    assert {g["initial_lr"] for g in saved} == {3e-3}
+    with caplog.at_level("WARNING"):
+        trainer = _resume(run_copy, "checkpoint.resume=auto", "optim.lr=1e-3", "optim.weight_decay=0.05")
+    assert trainer.lr_scheduler.base_lrs == [1e-3] * len(trainer.optimizer.param_groups)
+    assert {g["initial_lr"] for g in trainer.optimizer.param_groups} == {1e-3}
+    # The moments were restored (a fresh optimizer would have none) and the schedule is at step 3.
+    assert trainer.optimizer.state and trainer.lr_scheduler.last_epoch == 3
+    assert "optim.lr 0.003 -> 0.001" in caplog.text
+
+
+# -- 11. the restricted unpickler ----------------------------------------------------------------
+class _Payload:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_planted_metadata_payload_is_refused_without_running(run_copy: Path, tmp_path: Path) -> None:
+    import pickle
+
+    marker = tmp_path / "payload-ran"
+    (_step3(run_copy) / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    with pytest.raises(CheckpointError, match="os.system|posix.system") as info:
+        inspect_checkpoint(_step3(run_copy))
+    assert "not a DCP index" in str(info.value)
+    with pytest.raises(CheckpointError):
+        _resume(run_copy, f"checkpoint.resume={_step3(run_copy)}")
+    from portatrain.export import export_hf
+
+    with pytest.raises(CheckpointError):
+        export_hf(_step3(run_copy), tmp_path / "hf", max_shard_size=10**9)
+    assert not marker.exists()
+
+
+# -- 12. secrets and shared exports --------------------------------------------------------------
+def test_secrets_are_redacted_in_every_config_written(tmp_path: Path) -> None:
+    fit(
+        [
+            "+parallel.launch.env.HF_TOKEN=hf_topsecret",
+            "+parallel.launch.env.WANDB_API_KEY=wandb_topsecret",
+            "+parallel.launch.env.NCCL_DEBUG=INFO",
+        ],
+        tmp_path,
+    )
+    files = [tmp_path / "config.yaml", *(tmp_path / "checkpoints").glob("step_*/config.yaml")]
+    assert len(files) == 2
+    for file in files:
+        text = file.read_text()
+        assert "topsecret" not in text and "HF_TOKEN: '***'" in text and "NCCL_DEBUG: INFO" in text, text
+
+
+def test_secret_key_names() -> None:
+    from portatrain.redact import is_secret_key, redact
+
+    for key in ("HF_TOKEN", "hf_token", "WANDB_API_KEY", "apiKey", "password", "AWS_SECRET_ACCESS_KEY"):
+        assert is_secret_key(key), key
+    for key in ("keep", "key", "max_tokens", "tokenizer", "NCCL_DEBUG", "every", "monkey"):
+        assert not is_secret_key(key), key
+    assert redact({"a": [{"token": "x", "n": 1}], "max_tokens": 5}) == {
+        "a": [{"token": "***", "n": 1}],
+        "max_tokens": 5,
+    }
+
+
+def test_export_is_shared_by_umask_and_refuses_an_existing_file(three_steps: Path, tmp_path: Path) -> None:
+    from portatrain.export import export_hf
+
+    out = export_hf(_step3(three_steps), tmp_path / "hf", max_shard_size=10**9)
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {oct(p.stat().st_mode & 0o777) for p in out.glob("*.safetensors")}
+    assert modes == {oct(0o666 & ~umask)}
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+    existing = tmp_path / "existing.bin"
+    existing.write_text("keep me")
+    with pytest.raises(CheckpointError, match="is an existing file"):
+        export_hf(_step3(three_steps), existing, max_shard_size=10**9)
+    assert existing.read_text() == "keep me"
+
+
+# -- 10. a stop request during compile warm-up --------------------------------------------------------
+def test_sigterm_during_compile_warmup_stops_before_the_next_shape(tmp_path: Path) -> None:
+    torch._dynamo.reset()
+    shapes = []
+
+    class TermInWarmup(Trainer):
+        def forward_backward(self, batch, num_tokens):
+            if self.step == 0 and not shapes:
+                os.kill(os.getpid(), signal.SIGTERM)  # arrives while the first shape compiles
+            shapes.append(tuple(batch["input_ids"].shape))
+            return super().forward_backward(batch, num_tokens)
+
+    overrides = [
+        "trainer.steps=4",
+        "data.collator=bucket",
+        "data.buckets=[16,32,64]",
+        "compile.enabled=true",
+        "compile.warmup=true",
+        "compile.dynamic=false",
+        "compile.backend=eager",
+    ]
+    try:
+        trainer = fit(overrides, tmp_path, TermInWarmup)
+    finally:
+        torch._dynamo.reset()
+    assert shapes == [(4, 16)]  # the second and third shapes were never compiled
+    assert trainer.preempted and trainer.step == 0
+    assert _names(tmp_path) == []  # nothing trained, nothing to save
+
+
+# -- 14-16. what the command line shows and leaves behind ------------------------------------------
+def _cli(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "portatrain", *args],
+        cwd=cwd,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _leaf_dirs(root: Path) -> list[str]:
+    return [str(p) for p in root.rglob("*") if p.is_dir() and not any(p.iterdir())] if root.exists() else []
+
+
+@pytest.mark.slow
+def test_errors_dry_runs_and_render_leave_no_empty_run_directory(tmp_path: Path) -> None:
+    for args, status in [
+        (["trainer.steps=-1"], 2),  # a configuration error
+        (["device=neuron"], 2),  # a missing device
+        (["dry_run=true"], 0),
+        (["render", "parallel.launch.nodes=2", "parallel.launch.procs_per_node=2"], 0),
+    ]:
+        out = _cli([*TINY, *args] if args[0] != "render" else [args[0], *TINY[1:], *args[1:]], tmp_path)
+        assert out.returncode == status, (args, out.stderr[-2000:])
+        assert _leaf_dirs(tmp_path / "runs") == [], args
+
+
+@pytest.mark.slow
+def test_non_interactive_log_has_one_line_per_log_every_and_no_bar_frames(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    out = _cli(
+        [*TINY, "trainer.steps=6", "trainer.log_every=2", "trainer.progress=true", f"run_dir={run_dir}"],
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout + out.stderr
+    assert "\r" not in text  # no progress-bar frames in a log file
+    lines = [line for line in text.splitlines() if " step " in f" {line}" and "/6" in line]
+    assert [line.split("step ")[1].split()[0] for line in lines] == ["2/6", "4/6", "6/6"], text[-2000:]
+
+
+@pytest.mark.slow
+def test_torchrun_prints_a_configuration_error_once(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "portatrain",
+            *TINY,
+            "trainer.steps=-1",
+        ],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    text = out.stdout + out.stderr
+    assert text.count("portatrain train: error: invalid config") == 1, text[-3000:]
+    assert "trainer.steps=-1 must be positive" in text
+    # Every worker exits 2 (torchrun's summary says so); torchrun itself reports a failed child
+    # with status 1 -- that part is torchrun's, not ours (see the README).
+    assert "exitcode  : 2" in text or "exitcode: 2" in text, text[-3000:]
+    assert out.returncode != 0
+    assert _leaf_dirs(tmp_path / "runs") == []

@@ -7,6 +7,8 @@ user must fix derives from :class:`~portatrain.errors.UserError` and is printed 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -27,7 +29,7 @@ from portatrain.commands import (
     uses_hydra,
 )
 from portatrain.config import register_configs
-from portatrain.errors import UserError
+from portatrain.errors import ConfigError, UserError
 
 
 def config_dir() -> str:
@@ -38,12 +40,51 @@ def config_dir() -> str:
 
 def _report_user_errors(command: str, fn: Callable[[], object]) -> object:
     """Run ``fn``; a :class:`UserError` becomes one line on stderr and exit 2 (anything else is a bug
-    and keeps its traceback)."""
+    and keeps its traceback). Ctrl-C outside training (which saves and stops on its own) exits 130
+    without a traceback."""
     try:
         return fn()
     except UserError as exc:
-        print(f"portatrain {command}: error: {exc}", file=sys.stderr)
+        # Under torchrun every rank validates the same config and agrees on checkpoint errors: print
+        # such an error once (rank 0). An error of one rank's own (its device...) is printed by it.
+        if os.environ.get("RANK", "0") == "0" or not _same_on_every_rank(exc):
+            print(f"portatrain {command}: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"portatrain {command}: interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+def _same_on_every_rank(exc: UserError) -> bool:
+    return isinstance(exc, ConfigError) or bool(getattr(exc, "same_on_every_rank", False))
+
+
+def _remove_if_empty(run_dir: str) -> None:
+    """Hydra creates the run directory before any command runs: remove it again when the command
+    left nothing there (a config error, a missing device, a dry run, ``render``), or only the lock
+    of a run that failed to start."""
+    folder = Path(run_dir)
+    try:
+        names = [p.name for p in folder.iterdir()]
+    except OSError:
+        return
+    if names == [".portatrain.lock"]:
+        from portatrain.rundir import remove_unused_lock
+
+        remove_unused_lock(folder)
+        names = []
+    if names:
+        return
+    # The folder, and the parents Hydra made for it inside the working directory (runs/<recipe>/),
+    # while they are empty.
+    cwd = Path.cwd().resolve()
+    folder = folder.resolve()
+    while folder != cwd and cwd in folder.parents:
+        try:
+            folder.rmdir()  # only an empty directory
+        except OSError:
+            return
+        folder = folder.parent
 
 
 def _run(command: str, module: ModuleType, cfg: DictConfig, trainer_cls: type | None) -> None:
@@ -85,7 +126,10 @@ def main(trainer_cls: type | None = None) -> None:
     register_configs()
 
     def portatrain(cfg: DictConfig) -> None:  # Hydra names the job after this function
-        _report_user_errors(command, lambda: _run(command, module, cfg, trainer_cls))
+        try:
+            _report_user_errors(command, lambda: _run(command, module, cfg, trainer_cls))
+        finally:
+            _remove_if_empty(HydraConfig.get().runtime.output_dir)
 
     hydra.main(config_path=config_dir(), config_name="config", version_base=None)(portatrain)()
 

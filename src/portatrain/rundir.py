@@ -194,6 +194,26 @@ def lock_run_dir(run_dir: str | Path) -> RunDirLock:
     return RunDirLock(lock_path, fd)
 
 
+def remove_unused_lock(run_dir: str | Path) -> bool:
+    """Delete ``run_dir``'s lock file if no process holds it (a run that failed to start left it
+    alone in an otherwise empty directory); True when removed."""
+    import fcntl
+
+    lock_path = Path(run_dir) / LOCK_FILE
+    try:
+        fd = os.open(lock_path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock_path.unlink()  # while holding it: nobody can take it between the check and the unlink
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def _read_holder(fd: int) -> str:
     try:
         text = os.pread(fd, 256, 0).decode(errors="replace").strip()
@@ -213,4 +233,5 @@ __all__ = [
     "SharedStorageError",
     "check_shared_run_dir",
     "lock_run_dir",
+    "remove_unused_lock",
 ]
