@@ -142,7 +142,7 @@ def test_nothing_passes_without_a_measurement() -> None:
         "5.3",
         "0.1",
     ]
-    assert "6 optimizer steps on cpu:0" in items["1.2"].evidence
+    assert "6 optimizer steps of the Trainer on cpu:0" in items["1.2"].evidence
     assert "within report.max_cold_start_s=120.0" in items["5.2"].evidence
     assert not any(i.simulated for i in items.values())
     # Compilation off: graph breaks and recompiles are not measured, and the command turns it on.
@@ -280,7 +280,7 @@ def test_report_on_cpu_audits_the_extra_script(tmp_path: Path) -> None:
     items = {i["id"]: i for i in document["items"]}
     assert items["1.1"]["status"] == FAIL and "examples/cuda_first_train.py:" in items["1.1"]["evidence"]
     assert items["2.1"]["status"] == FAIL and "flash_attn" in items["2.1"]["evidence"]
-    assert items["1.2"]["status"] == PASS and "6 optimizer steps on cpu:0" in items["1.2"]["evidence"]
+    assert items["1.2"]["status"] == PASS and "6 optimizer steps of portatrain.trainer.Trainer on cpu:0" in items["1.2"]["evidence"]
     assert items["5.4"]["status"] == NOT_MEASURED and items["3.1"]["status"] == NOT_MEASURED
     assert items["5.2"]["status"] == PASS  # the bench measured the cold start
     assert "examples/cuda_first_train.py" in document["static"]["paths"]

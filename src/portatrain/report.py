@@ -171,7 +171,9 @@ def runtime_run(cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path) -
     run_cfg = _derived(cfg, run_dir, updates)
     shapes: set[tuple[int, ...]] = set()
 
-    class RuntimeAuditTrainer(trainer_cls or Trainer):  # type: ignore[misc, valid-type]
+    base = trainer_cls or Trainer
+
+    class RuntimeAuditTrainer(base):  # type: ignore[misc, valid-type]
         def train_step(self, batches):  # noqa: ANN001, ANN202 - the hook's own signature
             shapes.update(tuple(b["input_ids"].shape) for b in batches)
             return super().train_step(batches)
@@ -197,6 +199,7 @@ def runtime_run(cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path) -
             {r.strip().splitlines()[0][:160] for r in (breaks_after - dynamo_before[0])}
         ),
         "graphs_whole_run": graphs_after - dynamo_before[2],
+        "trainer": f"{base.__module__}.{base.__qualname__}",
         "compile": bool(run_cfg.compile.enabled),
         "losses": losses,
         "dtype": str(trainer.dtype).removeprefix("torch."),
@@ -412,11 +415,9 @@ def _counted(ev: Evidence, key: str, prefix: str) -> Verdict:
 @_needs_run
 def _trains(ev: Evidence) -> Verdict:
     r = ev.runtime
-    return (
-        PASS,
-        f"{r['steps']} optimizer steps on {r['device']} ({r['dtype']}), losses {_floats(r['losses'])}",
-        ev.commands.train,
-    )
+    trainer = r.get("trainer", "the Trainer")
+    evidence = f"{r['steps']} optimizer steps of {trainer} on {r['device']} ({r['dtype']}), losses {_floats(r['losses'])}"
+    return PASS, evidence, ev.commands.train
 
 
 @_needs_run
@@ -489,26 +490,34 @@ def _static_shapes(ev: Evidence) -> Verdict:
 def _graph_breaks(ev: Evidence) -> Verdict:
     r = ev.runtime
     if not r["compile"]:
-        return NOT_MEASURED, COMPILE_OFF, f"{ev.commands.report} compile.enabled=true"
+        return NOT_MEASURED, COMPILE_OFF, _with(ev.commands.report, "compile.enabled=true")
     breaks = r["graph_breaks_whole_run"]
     reasons = f": {'; '.join(r['graph_break_reasons'][:3])}" if breaks else ""
     evidence = f"{breaks} graph break(s), {r['graphs_whole_run']} graph(s) compiled over the run{reasons}"
-    return (PASS if breaks == 0 else FAIL), evidence, f"{ev.commands.train} compile.enabled=true"
+    return (PASS if breaks == 0 else FAIL), evidence, _with(ev.commands.train, "compile.enabled=true")
 
 
 COMPILE_OFF = "compile.enabled=false in this config: nothing was compiled"
+
+
+def _with(command: str, *overrides: str) -> str:
+    """``command`` plus the ``overrides`` it does not already carry."""
+    words = command.split()
+    return " ".join([*words, *(o for o in overrides if o not in words)])
 
 
 @_needs_run
 def _recompiles(ev: Evidence) -> Verdict:
     r = ev.runtime
     if not r["compile"]:
-        return NOT_MEASURED, COMPILE_OFF, f"{ev.commands.report} compile.enabled=true"
+        return NOT_MEASURED, COMPILE_OFF, _with(ev.commands.report, "compile.enabled=true")
     evidence = (
         f"{r['recompiles']} recompile(s), {r['graphs']} new graph(s) in {r['steps']} steps after compiling the "
         f"{len(r['shapes_configured'])} configured shape(s) first"
     )
-    command = f"{ev.commands.train} compile.enabled=true compile.warmup=true compile.on_recompile=warn"
+    command = _with(
+        ev.commands.train, "compile.enabled=true", "compile.warmup=true", "compile.on_recompile=warn"
+    )
     return (PASS if r["recompiles"] == 0 else FAIL), evidence, command
 
 
