@@ -233,3 +233,14 @@ def test_packed_gradients_are_finite_and_match_one_by_one(llama):
     for g, ref in zip(grads, ref_grads):
         assert torch.isfinite(g).all()
         torch.testing.assert_close(g, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_causal_packing_has_no_mask_and_running_positions():
+    """``packing_attention=causal``: same tokens and labels, no mask, positions 0..S-1 (fused SDPA path)."""
+    docs, document = _packed_batch()
+    rows = [[docs[0], docs[1]], [docs[2], docs[3]]]
+    causal = PackingCollator(12, 3, PAD, causal=True)(rows)
+    assert "attn_mask" not in causal
+    assert torch.equal(causal["input_ids"], document["input_ids"])
+    assert torch.equal(causal["labels"], document["labels"])
+    assert causal["positions"].tolist() == [list(range(12))] * 3

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from portatrain.data.errors import DataError
+
 ORDERS = ("length_grouped", "random", "sequential")
 
 
@@ -67,7 +69,7 @@ class StatefulBatchSampler(Sampler[list[int]]):
         self.global_batch_size = batch_size * dp_world_size
         n = len(self.lengths)
         if n == 0 or (drop_last and n < self.global_batch_size):
-            raise ValueError(
+            raise DataError(
                 f"{n} examples cannot fill one global batch of data.batch_size({batch_size}) * "
                 f"dp_world_size({dp_world_size}) = {self.global_batch_size} with data.last_batch=drop; "
                 "lower data.batch_size, add documents or set data.last_batch=pad"
