@@ -197,3 +197,11 @@ def test_config_problems_reports_every_bad_data_setting():
     ):
         assert needle in problems, needle
     assert config_problems(DataConfig()) == []
+
+
+def test_a_prepared_corpus_cannot_be_mixed_or_prepared_again(tmp_path):
+    from portatrain.data.prepare import prepare
+
+    prepare(["builtin"], tmp_path / "c", num_documents=10, workers=1, progress=False)
+    with pytest.raises(DataError, match="is a prepared corpus"):
+        _texts(str(tmp_path / "c"))

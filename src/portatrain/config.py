@@ -113,7 +113,7 @@ class DataConfig:
     group_size_multiplier: int = 50
     """Length-grouped sampler: sort windows of ``batch_size * multiplier`` documents by length."""
     num_workers: int = 0
-    """DataLoader worker processes."""
+    """DataLoader worker processes (in-memory sources; a prepared corpus uses ``prefetch``)."""
     eval_fraction: float = 0.05
     """Fraction of documents held out for evaluation."""
     num_documents: int = 4000

@@ -53,6 +53,11 @@ def expand_source(spec: str) -> list[Path]:
                 f"data.dataset={spec!r}: the glob matches no {'/'.join(SUFFIXES)} file; check the pattern"
             )
         return files
+    if path.is_dir() and (path / "manifest.json").is_file() and (path / "prepare.json").is_file():
+        raise DataError(
+            f"{spec!r} is a prepared corpus (portatrain prepare): train on it alone with data.dataset={spec}; "
+            "to mix it with other data, mix the raw sources with data.mix and prepare them together"
+        )
     if path.is_dir() and (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
         # A ``datasets.save_to_disk`` directory: its Arrow files, in the order state.json lists them.
         try:
