@@ -22,7 +22,10 @@ def test_8b_fp32_single_device_state():
     assert est["grads"] == 4 * N_8B
     assert est["optimizer"] == 8 * N_8B
     assert est["fsdp_buffers"] == 0
-    assert est["total"] == sum(v for k, v in est.items() if k != "total")
+    # Gradients and activations peak at different times: the total holds the larger phase.
+    head_grad = 4 * ARGS_8B.vocab_size * ARGS_8B.dim
+    peak = max(est["activations"] + head_grad, est["grads"])
+    assert est["total"] == est["params"] + est["optimizer"] + est["fsdp_buffers"] + peak
     bf16 = estimate(param_dtype_bytes=2, optim_state_bytes_per_param=12)
     assert bf16["params"] == 2 * N_8B and bf16["grads"] == 2 * N_8B and bf16["optimizer"] == 12 * N_8B
 

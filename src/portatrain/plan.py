@@ -26,23 +26,22 @@ def training_dtype(dtype_name: str, device_type: str) -> torch.dtype:
     return ACCELERATORS[device_type].default_dtype
 
 
-def describe_plan(cfg: Config) -> str:
-    """The dry-run report: parameters, precision, layout, FLOPs per token and the memory table."""
+def estimate_for_config(cfg: Config, *, world_size: int | None = None) -> dict[str, int]:
+    """The per-device memory estimate the dry run reports for ``cfg`` (bytes per component).
+
+    ``world_size``: the real world (a running job); default the world the layout names. Also used
+    by ``scripts/bench_memory.py`` and the test that holds the estimate to a measured peak.
+    """
     spec = get_spec(cfg.model.name)
     args = model_args(cfg.model)
-    with torch.device("meta"):
-        model = build_model(cfg.model)
-    n_params = sum(p.numel() for p in model.parameters())
-    assert n_params == args.num_params(), (n_params, args.num_params())
-
     par = cfg.parallel
     # Planned for the world the layout names (dp_shard=8 tp=8: 64 devices), nothing launched.
-    dims = ParallelDims.from_config(par, world_size=expected_world_size(par, dry_run=True))
-    dtype = training_dtype(cfg.trainer.dtype, cfg.device.type)
-    mixed = dtype == torch.bfloat16
+    world = world_size if world_size is not None else expected_world_size(par, dry_run=True)
+    dims = ParallelDims.from_config(par, world_size=world)
+    mixed = training_dtype(cfg.trainer.dtype, cfg.device.type) == torch.bfloat16
     # FSDP2 mixed precision keeps fp32 sharded parameters, gradients and AdamW moments and
     # computes (all-gathers, activations) in bf16.
-    estimate = spec.estimate_memory(
+    return spec.estimate_memory(
         args,
         batch_size=cfg.data.batch_size,
         seq_len=cfg.data.seq_len,
@@ -53,7 +52,22 @@ def describe_plan(cfg: Config) -> str:
         tp_degree=par.tp,
         activation_checkpointing=par.activation_checkpointing,
         activation_dtype_bytes=2 if mixed else 4,
+        loss_chunk_size=cfg.trainer.loss_chunk_size if cfg.trainer.loss == "chunked" else None,
     )
+
+
+def describe_plan(cfg: Config) -> str:
+    """The dry-run report: parameters, precision, layout, FLOPs per token and the memory table."""
+    args = model_args(cfg.model)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert n_params == args.num_params(), (n_params, args.num_params())
+
+    par = cfg.parallel
+    dims = ParallelDims.from_config(par, world_size=expected_world_size(par, dry_run=True))
+    mixed = training_dtype(cfg.trainer.dtype, cfg.device.type) == torch.bfloat16
+    estimate = estimate_for_config(cfg)
     custom = {k: getattr(cfg.model, k) for k in (*ARCH_OVERRIDES, "vocab_size")}
     custom = {k: v for k, v in custom.items() if v is not None}
     lines = [

@@ -13,11 +13,19 @@ wraps it in its own estimate and registers that in its ``ModelSpec.estimate_memo
 * ``fsdp_buffers`` -- transient unsharded copies FSDP keeps while it computes: the current unit's
   and the prefetched next unit's all-gathered parameters, plus one unit's unsharded gradients before
   the reduce-scatter. A unit is one transformer block, or the embedding / output projection if larger.
-* ``activations`` -- tensors saved for backward (formula below) plus the logits.
+* ``activations`` -- tensors saved for backward (formula below) plus the output head's buffers.
+
+``total`` is not the sum of the components: gradients and activations peak at different times. At
+the start of backward every activation is alive and only the output head's gradient exists; at the
+end every gradient exists and the activations are gone. So ``total = params + optimizer +
+fsdp_buffers + max(activations + output-head gradient, grads)``.
 
 It does not count the CUDA/XLA caching allocator's fragmentation, framework workspaces, the data
-batch or a packed attention mask (``B * S * S`` bytes), nor the gradient of the logits during
-backward; leave 10-20% headroom.
+batch, a packed attention mask (``B * S * S`` bytes) or the optimizer step's temporaries; leave
+10-20% headroom on accelerators. Checked against measured peaks on CPU (torch's CPU allocator,
+``scripts/bench_memory.py``, README "Memory: the dry run against measured peaks"): within -1%..+10%
+over three sizes, two sequence lengths, the three checkpointing modes, the chunked loss and FSDP2
+on two processes; ``tests/test_memory_measured.py`` keeps one such comparison.
 
 Activations saved for backward, per token and layer, in elements of the activation dtype
 (``h`` = dim, ``q`` = ``n_heads * head_dim`` (= ``h`` for Llama), ``f`` = SwiGLU width, ``a`` = query
@@ -47,14 +55,17 @@ kernels avoid.
 
 * ``none`` -- every layer keeps the table above.
 * ``full`` -- each block keeps only its input (``h``); one block at a time is recomputed in
-  backward and holds the full table meanwhile.
+  backward and holds the full table meanwhile (after the output head's buffers are freed, so the
+  larger of the two counts).
 * ``selective`` -- torchtitan's op-level policy: keep the attention output (and log-sum-exp) and
   every second matmul output, recompute norms, pointwise ops and the other matmuls. Estimated as
   block input + attention output + half of the matmul outputs (``q, k, v, o, gate, up, down`` =
   ``q + 2h + 2*kv + 2f`` with ``kv = n_kv_heads * head_dim``), plus one block's recomputation peak.
 
-After the last block: final-norm input and output (``2h``), the logits (``V``) in the activation
-dtype and fp32 log-probabilities for the loss (``V``, 4 bytes).
+After the last block, with the plain loss: final-norm input and output (``2h``), the logits (``V``)
+in the activation dtype, fp32 log-probabilities for the loss and, at the start of backward, the
+fp32 gradient of the logits (``2V``, 4 bytes). With ``trainer.loss=chunked`` (``loss_chunk_size``):
+norm input/output and the hidden states' gradient (``3h``) per token, plus one chunk of fp32 logits.
 
 Tensor parallelism is assumed to come with sequence parallelism and a vocabulary-parallel loss
 (torchtitan's plan), so activations and logits are divided by ``tp_degree`` too.
@@ -103,6 +114,7 @@ def estimate_memory(
     tp_degree: int = 1,
     activation_checkpointing: str = "none",
     activation_dtype_bytes: int | None = None,
+    loss_chunk_size: int | None = None,
 ) -> dict[str, int]:
     """Estimated bytes per device for training ``args`` with one micro-batch in flight.
 
@@ -119,6 +131,8 @@ def estimate_memory(
         activation_checkpointing: ``none``, ``full`` or ``selective`` (see module docstring).
         activation_dtype_bytes: bytes per activation element and per all-gathered FSDP parameter
             (the compute dtype, e.g. 2 under bf16 mixed precision); default ``param_dtype_bytes``.
+        loss_chunk_size: ``trainer.loss=chunked``'s positions per chunk (``portatrain.losses``);
+            None for the plain loss over full logits.
 
     Returns:
         ``params``, ``grads``, ``optimizer``, ``fsdp_buffers``, ``activations`` and ``total``, in bytes.
@@ -167,16 +181,29 @@ def estimate_memory(
     q = args.n_heads * args.head_dim
     kv = args.n_kv_heads * args.head_dim
     per_token_layer = (4 * h + 4 * q + 4 * f) * act_bytes + (a + 2) * 4  # the table + fp32 lse and norm stats
+    # Per token: what the blocks keep until backward, and what one block's recomputation holds
+    # meanwhile (checkpointing only; it happens after the output head's buffers are freed).
+    recompute = per_token_layer
     if activation_checkpointing == "none":
-        per_token_blocks = args.n_layers * per_token_layer
+        per_token_blocks, recompute = args.n_layers * per_token_layer, 0
     elif activation_checkpointing == "full":
-        per_token_blocks = args.n_layers * h * act_bytes + per_token_layer
+        per_token_blocks = args.n_layers * h * act_bytes
     else:  # selective
         kept = (h + q + (q + 2 * h + 2 * kv + 2 * f) // 2) * act_bytes + a * 4
-        per_token_blocks = args.n_layers * kept + per_token_layer
-    per_token_head = (2 * h + args.vocab_size) * act_bytes + args.vocab_size * 4
+        per_token_blocks = args.n_layers * kept
     tokens = batch_size * seq_len
-    activations = _ceil_div(tokens * (per_token_blocks + per_token_head), tp_degree)
+    v = args.vocab_size
+    if loss_chunk_size is None:
+        # Logits, their fp32 log-probabilities, and -- at the start of backward, the peak -- the
+        # fp32 gradient of the logits.
+        head = tokens * ((2 * h + v) * act_bytes + 2 * v * 4)
+    else:
+        # Chunked loss: one chunk of fp32 logits (plus its compute-dtype projection under mixed
+        # precision) and the hidden states' gradient, computed in forward. The matrix's gradient,
+        # also computed in forward, is the output head's entry of ``grads``.
+        chunk = min(loss_chunk_size, tokens)
+        head = tokens * 3 * h * act_bytes + chunk * v * (4 + (act_bytes if act_bytes != 4 else 0))
+    activations = _ceil_div(tokens * per_token_blocks + max(head, tokens * recompute), tp_degree)
 
     estimate = {
         "params": params,
@@ -185,7 +212,11 @@ def estimate_memory(
         "fsdp_buffers": fsdp_buffers,
         "activations": activations,
     }
-    estimate["total"] = sum(estimate.values())
+    # Gradients and activations peak at different times: at the start of backward every
+    # activation is alive but only the output head's gradient exists; at its end every gradient
+    # exists and the activations are gone.
+    head_grad = _ceil_div(v * h * grad_dtype_bytes, ranks)
+    estimate["total"] = params + optimizer + fsdp_buffers + max(activations + head_grad, grads)
     return estimate
 
 
@@ -224,6 +255,8 @@ def format_memory_report(estimate: dict[str, int], *, title: str | None = None) 
         share = value / total if total else 0.0
         lines.append(f"{name:<14}{value / _GIB:>10.2f}{share:>8.1%}")
     lines.append(f"{'total':<14}{total / _GIB:>10.2f}{'':>8}")
+    if "params" in estimate and total != sum(v for k, v in estimate.items() if k != "total"):
+        lines.append("(gradients and activations peak at different times: total holds the larger phase)")
     return "\n".join(lines)
 
 

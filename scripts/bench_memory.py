@@ -1,0 +1,165 @@
+"""The dry run's memory estimate against the measured peak of a training step, on CPU.
+
+For each case, a Trainer (fp32, eager) is built exactly as ``portatrain`` builds it, takes one step
+(so AdamW's moments exist), and then one more step runs under torch's CPU-allocator accounting
+(``portatrain.models.memory.measured_peak_bytes``: the profiler's allocation and free events in
+time order). Measured peak = bytes held before the step (parameters, optimizer state, counted from
+the tensors) + the step's peak above that. The estimate is the model family's
+``spec.estimate_memory`` with the arguments ``dry_run=true`` passes (``portatrain.plan``). FSDP2
+cases run the same on 2 gloo processes (``torch.multiprocessing``) and report rank 0.
+
+    OMP_NUM_THREADS=1 python scripts/bench_memory.py                 # every case
+    OMP_NUM_THREADS=1 python scripts/bench_memory.py --cases small-none small-full
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_overhead import compose  # noqa: E402  (a sibling script, not a package)
+
+from portatrain.models.memory import measured_peak_bytes  # noqa: E402
+from portatrain.plan import estimate_for_config  # noqa: E402
+
+MIB = 1024**2
+COMMON = [
+    "recipe=debug",
+    "device=cpu",
+    "trainer.dtype=float32",
+    "trainer.steps=100",
+    "trainer.eval_every=0",
+    "trainer.progress=false",
+    "checkpoint.enabled=false",
+    "data.collator=pad_to_max",
+]
+SMALL = [
+    "model.dim=256",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.vocab_size=8192",
+]
+WIDE = [
+    "model.dim=512",
+    "model.n_layers=2",
+    "model.n_heads=8",
+    "model.n_kv_heads=4",
+    "model.vocab_size=32000",
+]
+CASES: dict[str, list[str]] = {
+    "small-none": [*SMALL, "data.batch_size=4", "data.seq_len=256"],
+    "small-selective": [
+        *SMALL,
+        "data.batch_size=4",
+        "data.seq_len=256",
+        "parallel.activation_checkpointing=selective",
+    ],
+    "small-full": [*SMALL, "data.batch_size=4", "data.seq_len=256", "parallel.activation_checkpointing=full"],
+    "small-none-seq512": [*SMALL, "data.batch_size=2", "data.seq_len=512", "model.max_seq_len=512"],
+    "wide-none": [*WIDE, "data.batch_size=2", "data.seq_len=256"],
+    "wide-full": [*WIDE, "data.batch_size=2", "data.seq_len=256", "parallel.activation_checkpointing=full"],
+    "wide-chunked": [
+        *WIDE,
+        "data.batch_size=2",
+        "data.seq_len=256",
+        "trainer.loss=chunked",
+        "trainer.loss_chunk_size=128",
+    ],
+    "small-fsdp2": [*SMALL, "data.batch_size=4", "data.seq_len=256"],
+}
+DISTRIBUTED = {"small-fsdp2": 2}
+
+
+def state_bytes(trainer) -> int:
+    """Parameters (local shards under FSDP2) and optimizer state held between steps."""
+    tensors = {}
+    for p in trainer.model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        tensors[id(local)] = local
+    for state in trainer.optimizer.state.values():
+        for t in state.values():
+            if isinstance(t, torch.Tensor):
+                local = t.to_local() if hasattr(t, "to_local") else t
+                tensors[id(local)] = local
+    return sum(t.numel() * t.element_size() for t in tensors.values() if t.numel() > 1)
+
+
+def measure(overrides: list[str], run_dir: Path) -> dict:
+    from portatrain.trainer import Trainer
+
+    cfg = compose(COMMON + overrides, run_dir)
+    trainer = Trainer(cfg)
+    try:
+        loader = iter(trainer.train_loader)
+        trainer.train_step([next(loader)])  # creates AdamW's moments
+        batch = next(loader)
+        before = state_bytes(trainer)
+        delta = measured_peak_bytes(lambda: trainer.train_step([batch]))
+        estimate = estimate_for_config(cfg, world_size=trainer.dist.world_size)
+        return {"measured": before + delta, "state": before, "estimate": estimate}
+    finally:
+        trainer.close()
+
+
+def _worker(rank: int, world: int, port: int, overrides: list[str], run_dir: str, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    result = measure(overrides, Path(run_dir))
+    if rank == 0:
+        torch.save(result, out)
+
+
+def run_case(name: str, tmp: Path) -> dict:
+    world = DISTRIBUTED.get(name, 1)
+    if world == 1:
+        return measure(CASES[name], tmp / name)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp / f"{name}.pt"
+    mp.start_processes(
+        _worker,
+        args=(world, port, CASES[name], str(tmp / name), str(out)),
+        nprocs=world,
+        join=True,
+        start_method="spawn",
+    )
+    return torch.load(out, weights_only=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    args = parser.parse_args()
+    print(f"{'case':<20}{'estimate':>10}{'measured':>10}{'est/meas':>9}   estimate components (MiB)")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.cases:
+            r = run_case(name, Path(tmp))
+            est = r["estimate"]
+            parts = ", ".join(f"{k} {v / MIB:.1f}" for k, v in est.items() if k != "total")
+            print(
+                f"{name:<20}{est['total'] / MIB:>8.1f} M{r['measured'] / MIB:>8.1f} M"
+                f"{est['total'] / r['measured']:>9.3f}   {parts}; measured state {r['state'] / MIB:.1f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
