@@ -116,7 +116,6 @@ def prepare(
     workers = workers or os.cpu_count() or 1
     bar = tqdm(desc=f"prepare {out.name}", unit="doc", disable=not progress, dynamic_ncols=True)
     shards: list[dict[str, Any]] = []
-    resumed = 0
 
     def finished(meta: dict[str, Any]) -> None:
         shards.append(meta)
@@ -126,8 +125,31 @@ def prepare(
     payloads = iter_payloads(
         sources, weights=weights, seed=seed, text_field=text_field, format=format, num_documents=num_documents
     )
-    chunks = _chunks(payloads, shard_chars)
-    job = (str(out), tokenizer, format, dtype.str)
+    try:
+        resumed = _run(
+            _chunks(payloads, shard_chars), (str(out), tokenizer, format, dtype.str), workers, finished
+        )
+    finally:
+        bar.close()
+    if not shards or sum(s["documents"] for s in shards) == 0:
+        raise DataError(f"{', '.join(sources)}: no documents to prepare (the input is empty)")
+    manifest = {
+        **settings,
+        "documents": sum(s["documents"] for s in shards),
+        "tokens": sum(s["tokens"] for s in shards),
+        "has_mask": format != "text",
+        "shards": shards,
+    }
+    _write_atomic(out / MANIFEST, _json_bytes(manifest))
+    if resumed:
+        logger.info("resumed: %d of %d shard(s) were already written", resumed, len(shards))
+    return manifest
+
+
+def _run(chunks: Any, job: tuple[str, str, str, str], workers: int, finished: Any) -> int:
+    """Tokenize and write every chunk not already done, in order; return how many were done before."""
+    out = Path(job[0])
+    resumed = 0
     if workers == 1:
         _init_worker()  # one core means one core: no tokenizer thread pool either
         for index, chunk in enumerate(chunks):
@@ -152,20 +174,7 @@ def prepare(
             while pending:
                 head = pending.popleft()
                 finished(head if isinstance(head, dict) else head.get())
-    bar.close()
-    if not shards or sum(s["documents"] for s in shards) == 0:
-        raise DataError(f"{', '.join(sources)}: no documents to prepare (the input is empty)")
-    manifest = {
-        **settings,
-        "documents": sum(s["documents"] for s in shards),
-        "tokens": sum(s["tokens"] for s in shards),
-        "has_mask": format != "text",
-        "shards": shards,
-    }
-    _write_atomic(out / MANIFEST, _json_bytes(manifest))
-    if resumed:
-        logger.info("resumed: %d of %d shard(s) were already written", resumed, len(shards))
-    return manifest
+    return resumed
 
 
 def _chunks(payloads: Any, shard_chars: int) -> Any:
