@@ -280,7 +280,10 @@ def test_report_on_cpu_audits_the_extra_script(tmp_path: Path) -> None:
     items = {i["id"]: i for i in document["items"]}
     assert items["1.1"]["status"] == FAIL and "examples/cuda_first_train.py:" in items["1.1"]["evidence"]
     assert items["2.1"]["status"] == FAIL and "flash_attn" in items["2.1"]["evidence"]
-    assert items["1.2"]["status"] == PASS and "6 optimizer steps of portatrain.trainer.Trainer on cpu:0" in items["1.2"]["evidence"]
+    assert (
+        items["1.2"]["status"] == PASS
+        and "6 optimizer steps of portatrain.trainer.Trainer on cpu:0" in items["1.2"]["evidence"]
+    )
     assert items["5.4"]["status"] == NOT_MEASURED and items["3.1"]["status"] == NOT_MEASURED
     assert items["5.2"]["status"] == PASS  # the bench measured the cold start
     assert "examples/cuda_first_train.py" in document["static"]["paths"]
@@ -304,3 +307,23 @@ def test_report_on_sim_of_the_ported_script(tmp_path: Path) -> None:
         assert items["3.1"]["status"] == PASS
     rows = [line for line in stdout.splitlines() if line.startswith(("| 1.", "| 2.", "| 5.", "| 6."))]
     assert rows and all("[simulated device]" in row for row in rows)
+
+
+class _ResearchTrainer:
+    """Stands in for a research Trainer subclass defined in this file."""
+
+
+def test_code_in_use_is_the_subclass_the_model_family_and_the_kernels() -> None:
+    from omegaconf import OmegaConf
+
+    from portatrain.report import code_in_use
+
+    cfg = OmegaConf.create(
+        {"model": {"name": "llama3"}, "kernels": {"enabled": ["pallas_interpret_rmsnorm"]}}
+    )
+    paths = code_in_use(cfg, _ResearchTrainer, ["examples/cuda_first_train.py"])  # type: ignore[arg-type]
+    assert paths[0] == "examples/cuda_first_train.py"
+    assert any(p.endswith("tests/test_report.py") for p in paths)  # where the Trainer subclass lives
+    assert any(p.endswith("src/portatrain/models/llama") for p in paths)
+    assert any(p.endswith("src/portatrain/kernels/pallas") for p in paths)
+    assert len(paths) == 4

@@ -63,6 +63,9 @@ def test_sim_trainer_loop_has_no_sync_or_fallback_between_logging_steps(tmp_path
         res["nonfinite"] = run("nonfinite", ["audit.nonfinite=true"])
         counters.mark_unsupported(["aten::rsqrt"])
         res["planted"] = run("planted", cls=Planted)
+        # A CPU run in a process that has the sim installed: the sim's counters do not speak for it.
+        base = [o for o in TINY if not o.startswith("device=")] + ["device=cpu"] + {AUDIT!r}
+        res["cpu"] = run("cpu")
         print(json.dumps(res))
         """,
         env={"PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"},
@@ -80,6 +83,7 @@ def test_sim_trainer_loop_has_no_sync_or_fallback_between_logging_steps(tmp_path
     }
     for mode in ("eager", "compiled", "nonfinite"):
         assert res[mode] == [clean, clean], mode  # two logged windows of 3 steps, both clean
+    assert [w["audit_host_syncs"] for w in res["cpu"]] == [None, None]
     for window in res["planted"]:
         assert window["audit_steps"] == 3
         assert window["audit_host_syncs"] == 3  # one .item() per step, nothing from the loop itself

@@ -205,16 +205,16 @@ def runtime_run(cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path) -
         "dtype": str(trainer.dtype).removeprefix("torch."),
         "shapes_seen": sorted([list(s) for s in shapes]),
         "shapes_configured": [list(s) for s in batch_shapes(run_cfg.data)],
-        "unsupported_ops": _unsupported_ops(),
+        "unsupported_ops": _unsupported_ops(trainer.runtime_audit.simulated),
         "metrics": str(run_dir / "metrics.jsonl"),
     }
 
 
-def _unsupported_ops() -> dict[str, str] | None:
+def _unsupported_ops(simulated: bool) -> dict[str, str] | None:
     """The ops the sim marks unsupported (None off the sim)."""
     from portatrain.accelerators.sim import counters
 
-    return counters.unsupported_ops() if counters.active() else None
+    return counters.unsupported_ops() if simulated else None
 
 
 def bench_run(cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path) -> dict[str, Any]:
@@ -764,9 +764,8 @@ def build_report(
     progress(f"report: bench, {1 + cfg.report.bench_warmup_steps + cfg.report.bench_steps} steps")
     _forget_compiled_graphs()
     bench = bench_run(cfg, trainer_cls, run_dir / "bench")
-    from portatrain.accelerators.sim import counters
-
-    simulated = counters.active()  # the sim device ran in this process (under its own name or another)
+    # The device ran was the sim (under its own name or an impersonated one): said on every line.
+    simulated = bool(runtime.get("simulated")) or (cfg.device.type == "sim" and "error" in runtime)
     device = str(runtime.get("device") or cfg.device.type)
     evidence = Evidence(static, runtime, bench, parity, str(cfg.device.type), simulated, cfg.report, commands)
     items = checklist(evidence)

@@ -146,8 +146,13 @@ class RuntimeAudit:
 
     @property
     def simulated(self) -> bool:
-        """Whether the counts come from the sim device (this process runs on it)."""
-        return counters.active()
+        """Whether this run's device is the sim (under its own name or an impersonated one), whose
+        counters then count its ops. A CPU run in a process that also installed the sim is not."""
+        if not counters.active():
+            return False
+        from portatrain.accelerators.sim import runtime as sim_runtime
+
+        return sim_runtime.installed() == self.accelerator.device_type
 
     def step_begin(self, step: int) -> None:
         """Before optimizer step ``step``. Opens a window after a logging step: whatever logging,
@@ -174,7 +179,7 @@ class RuntimeAudit:
         record: dict[str, Any] = {"audit_steps": self._window_steps}
         offences: dict[str, int] = {}
         stacks: dict[str, str] = {}
-        if counters.active():
+        if self.simulated:
             counts = counters.take()
             offences, stacks = counts.offences(), counts.first_stacks
             record["audit_host_syncs"] = counts.total_syncs
