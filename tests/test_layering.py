@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     # stages the trainer uses; the audit (static scan, runtime audit)
     ("compile", "losses", "optim", "profiling", "metrics", "checkpoint", "rundir", "audit"),
     ("trainer", "plan", "export"),  # the loop; the dry run; HF export
-    ("bench", "launch"),  # commands' engines built on the trainer / the layout
+    ("bench", "launch", "parity"),  # commands' engines built on the trainer / the layout; parity
     ("report",),  # the portability report: audit + runtime audit + parity + bench
     ("validate",),  # asks every stage for its problems
     ("commands",),  # one module per command
