@@ -61,6 +61,8 @@ def test_sim_trainer_loop_has_no_sync_or_fallback_between_logging_steps(tmp_path
         res["compiled"] = run("compiled", ["compile.enabled=true", "compile.warmup=true"])
         # The checks' own syncs are not the step's: nonfinite mode still shows zero.
         res["nonfinite"] = run("nonfinite", ["audit.nonfinite=true"])
+        # Evaluation inside a window (step 2 and 4 of 3-step windows) syncs on purpose: left out.
+        res["eval"] = run("eval", ["trainer.eval_every=2", "trainer.eval_batches=2"])
         counters.mark_unsupported(["aten::rsqrt"])
         res["planted"] = run("planted", cls=Planted)
         # A CPU run in a process that has the sim installed: the sim's counters do not speak for it.
@@ -81,7 +83,7 @@ def test_sim_trainer_loop_has_no_sync_or_fallback_between_logging_steps(tmp_path
         "audit_offences": {},
         "audit_first": {},
     }
-    for mode in ("eager", "compiled", "nonfinite"):
+    for mode in ("eager", "compiled", "nonfinite", "eval"):
         assert res[mode] == [clean, clean], mode  # two logged windows of 3 steps, both clean
     assert [w["audit_host_syncs"] for w in res["cpu"]] == [None, None]
     for window in res["planted"]:
@@ -149,8 +151,17 @@ def test_vendor_fallback_report_and_graph_breaks_are_counted_per_window() -> Non
     compiled(torch.ones(5))  # a new shape: the guard fails, dynamo recompiles
     second = audit.window_end()
     assert second["audit_cpu_fallbacks"] == 0 and second["audit_recompiles"] >= 1
+    # Evaluation inside a window: what it compiles and falls back on is left out, the step's is kept.
+    audit.step_begin(3)
+    adapter.pending = {"aten::_step_op": 1}
+    with audit.paused():
+        torch.compile(lambda x: x.sin() + 1, backend="eager")(torch.ones(2))
+        adapter.pending = {"aten::_eval_op": 5}
+    third = audit.window_end()
+    assert third["audit_offences"] == {"fallback:aten::_step_op": 1}
+    assert third["audit_graphs"] == 0 and third["audit_recompiles"] == 0
     summary = audit.summary()
-    assert summary["windows"] == 2 and summary["steps"] == 2 and summary["cpu_fallbacks"] == 2
+    assert summary["windows"] == 3 and summary["steps"] == 3 and summary["cpu_fallbacks"] == 3
     assert summary["host_syncs"] is None
 
 

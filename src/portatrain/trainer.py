@@ -486,7 +486,7 @@ class Trainer:
                 and (self.step % cfg.eval_every == 0 or self.step == cfg.steps)
                 and self.data.has_eval
             ):
-                with self.compile_monitor.watch(what="evaluation"):
+                with self.compile_monitor.watch(what="evaluation"), self.runtime_audit.paused():
                     eval_metrics = self.evaluate()
                 self.metrics.log({"step": self.step, **eval_metrics})
                 last.update(eval_metrics)

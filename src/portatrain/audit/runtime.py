@@ -37,9 +37,9 @@ both off by default and free when off:
     check syncs with the host, once per module; the sim's counters do not count those syncs. It
     needs ``compile.enabled=false``: a hook that reads values would break every compiled block.
 
-The Trainer calls three small hooks: :meth:`RuntimeAudit.step_begin` before each step,
-:meth:`RuntimeAudit.window_end` first thing on a logging step (its dict goes into the record) and
-:meth:`RuntimeAudit.close`. ``portatrain report`` reads :meth:`RuntimeAudit.summary`.
+The Trainer calls four small hooks: :meth:`RuntimeAudit.step_begin` before each step,
+:meth:`RuntimeAudit.window_end` first thing on a logging step (its dict goes into the record),
+:meth:`RuntimeAudit.paused` around evaluation, and :meth:`RuntimeAudit.close`. ``portatrain report`` reads :meth:`RuntimeAudit.summary`.
 """
 
 from __future__ import annotations
@@ -116,6 +116,12 @@ def dynamo_totals() -> tuple[Counter[str], int, int]:
     return breaks, failures, int(dynamo_counters["stats"]["unique_graphs"])
 
 
+def _add(total: dict[str, int], more: dict[str, int]) -> dict[str, int]:
+    for key, n in more.items():
+        total[key] = total.get(key, 0) + n
+    return total
+
+
 def _reason_line(reason: str) -> str:
     """The first line of a dynamo graph-break reason (they run to a dozen lines of hints)."""
     return reason.strip().splitlines()[0][:200] if reason.strip() else "unknown reason"
@@ -140,6 +146,8 @@ class RuntimeAudit:
         self._window_open = False
         self._window_steps = 0
         self._dynamo_start: tuple[Counter[str], int, int] = (Counter(), 0, 0)
+        self._left_out: tuple[Counter[str], int, int] = (Counter(), 0, 0)  # dynamo records of paused blocks
+        self._fallbacks_so_far: dict[str, int] = {}  # the vendor's report, read before a paused block
         self._hooks: list[Any] = []
         if audit_cfg.nonfinite:
             self._hooks = _install_nonfinite_hooks(model, self)
@@ -164,8 +172,34 @@ class RuntimeAudit:
             counters.reset()
             self.accelerator.take_fallback_report()
             self._dynamo_start = dynamo_totals()
+            self._left_out, self._fallbacks_so_far = (Counter(), 0, 0), {}
             self._window_open, self._window_steps = True, 0
         self._window_steps += 1
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave the block out of the window: evaluation in the middle of one syncs on purpose and
+        compiles graphs of its own (no_grad), none of which is the training step's."""
+        if not self.enabled or not self._window_open:
+            yield
+            return
+        before = dynamo_totals()
+        simulated = self.simulated
+        if not simulated:
+            _add(self._fallbacks_so_far, self.accelerator.take_fallback_report() or {})
+        try:
+            with counters.paused() if simulated else contextlib.nullcontext():
+                yield
+        finally:
+            after = dynamo_totals()
+            if not simulated:
+                self.accelerator.take_fallback_report()  # the block's own: dropped
+            breaks, failures, graphs = self._left_out
+            self._left_out = (
+                breaks + (after[0] - before[0]),
+                failures + after[1] - before[1],
+                graphs + after[2] - before[2],
+            )
 
     def window_end(self) -> dict[str, Any]:
         """First thing on a logging step: the counts of the steps since the last one, as ``audit_*``
@@ -175,7 +209,8 @@ class RuntimeAudit:
         self._window_open = False
         breaks, failures, graphs = dynamo_totals()
         start_breaks, start_failures, start_graphs = self._dynamo_start
-        new_breaks = breaks - start_breaks
+        left_breaks, left_failures, left_graphs = self._left_out
+        new_breaks = breaks - start_breaks - left_breaks
         record: dict[str, Any] = {"audit_steps": self._window_steps}
         offences: dict[str, int] = {}
         stacks: dict[str, str] = {}
@@ -187,6 +222,8 @@ class RuntimeAudit:
             record["audit_mixed_device"] = sum(counts.mixed_device.values())
         else:
             fallbacks = self.accelerator.take_fallback_report()
+            if fallbacks is not None:
+                fallbacks = _add(dict(self._fallbacks_so_far), fallbacks)
             record["audit_host_syncs"] = NOT_AVAILABLE
             record["audit_cpu_fallbacks"] = NOT_AVAILABLE if fallbacks is None else sum(fallbacks.values())
             record["audit_mixed_device"] = NOT_AVAILABLE
@@ -194,8 +231,8 @@ class RuntimeAudit:
         for reason, n in new_breaks.items():
             offences[f"graph_break:{_reason_line(reason)}"] = n
         record["audit_graph_breaks"] = sum(new_breaks.values())
-        record["audit_recompiles"] = failures - start_failures
-        record["audit_graphs"] = graphs - start_graphs
+        record["audit_recompiles"] = failures - start_failures - left_failures
+        record["audit_graphs"] = graphs - start_graphs - left_graphs
         record["audit_offences"] = dict(sorted(offences.items()))
         record["audit_first"] = {k: first_location(stacks[k]) for k in sorted(offences) if k in stacks}
         for key in sorted(offences):
