@@ -184,7 +184,7 @@ def runtime_run(cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path) -
         trainer = RuntimeAuditTrainer(run_cfg)
         trainer.fit()
     except Exception as exc:  # a run that fails on the device is evidence, not a crash of the report
-        logger.warning("runtime-audit run failed: %s: %s", type(exc).__name__, exc)
+        logger.warning("runtime-audit run failed: %s: %s", type(exc).__name__, exc, exc_info=_is_bug(exc))
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
     finally:
         if trainer is not None:
@@ -208,6 +208,11 @@ def runtime_run(cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path) -
         "unsupported_ops": _unsupported_ops(trainer.runtime_audit.simulated),
         "metrics": str(run_dir / "metrics.jsonl"),
     }
+
+
+def _is_bug(exc: BaseException) -> bool:
+    """Anything but a :class:`UserError` keeps its traceback in the log (the item still fails)."""
+    return not isinstance(exc, UserError)
 
 
 def _unsupported_ops(simulated: bool) -> dict[str, str] | None:
@@ -238,7 +243,7 @@ def bench_run(cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path) -> 
         with contextlib.redirect_stdout(printed):  # the bench's own summary goes to its log file
             results = run_bench(bench_cfg, trainer_cls=trainer_cls)
     except Exception as exc:
-        logger.warning("bench run failed: %s: %s", type(exc).__name__, exc)
+        logger.warning("bench run failed: %s: %s", type(exc).__name__, exc, exc_info=_is_bug(exc))
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
     (run_dir / "bench.txt").write_text(printed.getvalue())
     results = {k: v for k, v in results.items() if k != "step_times_s"}
@@ -261,7 +266,7 @@ def parity_run(cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path) ->
     try:
         result = parity.run_parity(_derived(cfg, run_dir, {}), steps, trainer_cls=trainer_cls)
     except Exception as exc:
-        logger.warning("parity run failed: %s: %s", type(exc).__name__, exc)
+        logger.warning("parity run failed: %s: %s", type(exc).__name__, exc, exc_info=_is_bug(exc))
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
     first = result.first_divergence
     return {
