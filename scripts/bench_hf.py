@@ -15,15 +15,41 @@ Method and measurements as in ``bench_overhead.py`` (lockstep steps, medians); w
 compiled run also carries the eager HF loop, the common reference for compiled / eager. Before
 training, both models' losses on one random batch are printed: equal weights, so they must agree.
 
-    OMP_NUM_THREADS=1 python scripts/bench_hf.py                 # eager and compiled
-    OMP_NUM_THREADS=1 python scripts/bench_hf.py --modes eager --steps 40
+    OMP_NUM_THREADS=1 python scripts/bench_hf.py --method lockstep            # eager and compiled
+    OMP_NUM_THREADS=1 python scripts/bench_hf.py --method lockstep --modes eager --steps 40
+
+**What a user sees** (``--method processes``, the default): lockstep in one process shares one
+dynamo/inductor state and one warm CPU cache between the runners, and there per-block compilation
+looked even with HF. A user runs one process per try, with nothing compiled before. So each runner
+here is its own fresh process with an empty inductor cache (``TORCHINDUCTOR_CACHE_DIR`` in a new
+temporary directory, ``compile.cache=false``), compiled, timing ``--steps`` steps after
+``--warmup``; runners take turns (order rotated per round) for ``--rounds`` rounds so load from other
+processes spreads over all. Runners:
+
+- ``portatrain bench``: ``portatrain.bench.run_bench`` -- the Trainer exactly as ``portatrain bench``
+  runs it (per-block compile; the embedding, final norm, output head and loss eager);
+- ``HF compiled``: ``torch.compile(LlamaForCausalLM)`` (whole model) in the bare loop;
+- ``portatrain model, per-block, bare loop`` and ``portatrain model, whole, bare loop``: portatrain's
+  model in the same bare loop compiled per block / whole (``model.compile()``), which separates the
+  Trainer's own cost from the compile granularity's.
+
+Reported per runner: median step time and tokens/s (real tokens per step over the median), the
+first-step time (compilation), each round's ratio to HF and the load average.
+
+    OMP_NUM_THREADS=1 python scripts/bench_hf.py                     # processes, 2 rounds
+    OMP_NUM_THREADS=1 python scripts/bench_hf.py --rounds 1 --steps 20
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -84,8 +110,98 @@ def check_same_loss(loops: dict[str, LoopRunner], batch_size: int, seq_len: int,
     print("  same batch, same weights: loss " + ", ".join(f"{k} {v:.6f}" for k, v in losses.items()))
 
 
+# ---------------------------------------------------------------------------------------------
+# One process per runner: what a user sees
+# ---------------------------------------------------------------------------------------------
+PROCESS_RUNNERS = {
+    "bench": "portatrain bench",
+    "hf": "HF compiled (whole model), bare loop",
+    "ours-blocks": "portatrain model, per-block, bare loop",
+    "ours-whole": "portatrain model, whole, bare loop",
+}
+
+
+def worker(name: str, steps: int, warmup: int, overrides: list[str]) -> dict:
+    """Run one runner in this (fresh) process; return its step times and tokens per step."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = compose(overrides + ["compile.enabled=true", "compile.cache=false"], Path(tmp) / "run")
+        if name == "bench":
+            from omegaconf import open_dict
+
+            from portatrain.bench import run_bench
+
+            with open_dict(cfg):
+                cfg.bench.steps, cfg.bench.warmup_steps = steps, warmup
+            r = run_bench(cfg)
+            return {
+                "step_s": r["step_time_median_s"],
+                "first_step_s": r["first_step_s"],
+                "tokens_per_step": r["tokens_per_step"],
+            }
+        ours = portatrain_model(cfg)
+        if name == "hf":
+            model, forward = hf_model(ours), hf_forward
+            model.compile()
+        else:
+            model, forward = ours, ours_forward
+            compile_blocks(model) if name == "ours-blocks" else model.compile()
+        loop = LoopRunner(cfg, model, forward)
+        times, tokens = [], []
+        for _ in range(warmup + 1 + steps):
+            start = time.perf_counter()
+            tokens.append(loop.step())
+            times.append(time.perf_counter() - start)
+        return {
+            "step_s": statistics.median(times[warmup + 1 :]),
+            "first_step_s": times[0],
+            "tokens_per_step": statistics.fmean(tokens[warmup + 1 :]),
+        }
+
+
+def run_processes(args: argparse.Namespace, overrides: list[str]) -> None:
+    names = list(PROCESS_RUNNERS)
+    results: dict[str, list[dict]] = {n: [] for n in names}
+    print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; overrides: {overrides}")
+    for round_ in range(args.rounds):
+        order = names[round_ % len(names) :] + names[: round_ % len(names)]
+        for name in order:
+            with tempfile.TemporaryDirectory() as cache:
+                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--worker", name, "--steps", str(args.steps),
+                     "--warmup", str(args.warmup), *args.overrides],
+                    env=env, capture_output=True, text=True,
+                )  # fmt: skip
+            if proc.returncode != 0:
+                raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            r["load"] = os.getloadavg()[0]
+            results[name].append(r)
+            print(
+                f"  round {round_} {PROCESS_RUNNERS[name]:<42} step {r['step_s'] * 1e3:7.1f} ms, "
+                f"first step {r['first_step_s']:6.1f} s, load {r['load']:.1f}",
+                flush=True,
+            )
+    print(
+        f"\n  {'runner':<42} {'tokens/s':>9} {'step ms':>8} {'first step s':>13}  tokens/s ratio to HF per round"
+    )
+    for name in names:
+        rs = results[name]
+        step = statistics.median(r["step_s"] for r in rs)
+        ratios = [h["step_s"] / r["step_s"] for r, h in zip(rs, results["hf"])]
+        print(
+            f"  {PROCESS_RUNNERS[name]:<42} {rs[0]['tokens_per_step'] / step:>9,.0f} {step * 1e3:>8.1f} "
+            f"{statistics.median(r['first_step_s'] for r in rs):>13.1f}  "
+            + ", ".join(f"{x:.3f}" for x in ratios)
+        )
+    print(f"load average at the end {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--method", default="processes", choices=["processes", "lockstep"])
+    parser.add_argument("--rounds", type=int, default=2, help="processes: rounds over all runners")
+    parser.add_argument("--worker", choices=list(PROCESS_RUNNERS), help=argparse.SUPPRESS)
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
     parser.add_argument("--steps", type=int, default=40, help="measured steps per runner")
     parser.add_argument("--warmup", type=int, default=3, help="steps dropped first (compilation)")
@@ -93,6 +209,12 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
     args = parser.parse_args()
     overrides = BASE_OVERRIDES + ["data.collator=pad_to_max"] + args.overrides
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.steps, args.warmup, overrides)))
+        return
+    if args.method == "processes":
+        run_processes(args, overrides)
+        return
     import transformers
 
     print(
