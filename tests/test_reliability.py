@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from portatrain.accelerators.cpu import CPUAccelerator
 from portatrain.checkpoint import (
     CheckpointError,
     complete_checkpoints,
@@ -126,7 +127,12 @@ def test_nonfinite_is_found_at_the_logging_sync_not_every_step(tmp_path: Path) -
         fit(["trainer.steps=8", "trainer.log_every=4", "checkpoint.enabled=false"], tmp_path, NaNAtStep3)
 
 
-def test_skip_step_leaves_weights_and_moments_unchanged_and_counts(tmp_path: Path) -> None:
+class UnfusedCPU(CPUAccelerator):
+    fused_adamw = False  # the generic skip (copy, step, put back with torch.where), as under FSDP2
+
+
+@pytest.mark.parametrize("accelerator", [None, UnfusedCPU], ids=["fused-found_inf", "generic"])
+def test_skip_step_leaves_weights_and_moments_unchanged_and_counts(tmp_path: Path, accelerator) -> None:
     snapshots: dict[int, list[torch.Tensor]] = {}
 
     class Watch(NaNAtStep3):
@@ -134,7 +140,9 @@ def test_skip_step_leaves_weights_and_moments_unchanged_and_counts(tmp_path: Pat
             state = [s for p in self.model.parameters() for s in self.optimizer.state[p].values()]
             snapshots[step] = [t.detach().clone() for t in [*self.model.parameters(), *state]]
 
-    trainer = fit(["trainer.steps=5", "trainer.on_nonfinite=skip_step"], tmp_path, Watch)
+    kwargs = {} if accelerator is None else {"accelerator": accelerator()}
+    trainer = fit(["trainer.steps=5", "trainer.on_nonfinite=skip_step"], tmp_path, Watch, **kwargs)
+    assert all(g.get("fused") for g in trainer.optimizer.param_groups) == (accelerator is None)
     assert trainer.nonfinite_skipped == 1
     assert all(torch.equal(a, b) for a, b in zip(snapshots[2], snapshots[3], strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(snapshots[3], snapshots[4], strict=True))

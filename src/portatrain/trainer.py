@@ -189,7 +189,9 @@ class Trainer:
         # every save (no extra host sync). skip_step leaves the weights and moments of such a step as
         # they were; stop raises NonFiniteError before anything non-finite is saved.
         self._skip_nonfinite = cfg.trainer.on_nonfinite == "skip_step"
-        self._nonfinite = torch.zeros((), device=self.device)  # non-finite steps since the last sync
+        # Since the last sync: [steps with a non-finite gradient norm (global: all ranks agree on
+        # it), micro-batch losses of this rank that were non-finite].
+        self._nonfinite = torch.zeros(2, device=self.device)
         self._first_nonfinite = torch.zeros((), device=self.device)  # step of the first one (0: none)
         self.nonfinite_skipped = 0
         """Steps skipped for a non-finite loss or gradient norm so far (``on_nonfinite=skip_step``)."""
@@ -278,9 +280,9 @@ class Trainer:
             loss_sum += self.forward_backward(self._to_device(batch), num_tokens)
         grad_norm = self._clip_gradients()
         # The gradient norm is global (all ranks agree on it); the loss is this rank's.
-        finite = torch.isfinite(grad_norm) & torch.isfinite(loss_sum)
-        self._optimizer_step(torch.isfinite(grad_norm))
-        self._count_nonfinite(finite)
+        grad_ok = torch.isfinite(grad_norm)  # the same on every rank: skipping stays in lockstep
+        self._optimizer_step(grad_ok)
+        self._count_nonfinite(grad_ok, torch.isfinite(loss_sum))
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         # Tensors stay on the device; fit() reads them only on logging steps (no per-step host sync).
@@ -444,15 +446,16 @@ class Trainer:
                 audit = self.runtime_audit.window_end()  # before this block's own (expected) syncs
                 self.accelerator.synchronize()
                 elapsed = time.perf_counter() - window_start
-                window = torch.stack(
+                window = torch.cat(
                     [
-                        torch.tensor(float(window_tokens), device=self.device),
-                        torch.tensor(float(window_flops), device=self.device),
-                        self._nonfinite.float(),
+                        torch.tensor([float(window_tokens), float(window_flops)], device=self.device),
+                        self._nonfinite,
                     ]
                 )
-                window_tokens, window_flops, bad = (int(x) for x in self._all_reduce_sum(window).tolist())
-                self._check_nonfinite(bad, metrics)
+                window_tokens, window_flops, bad_steps, bad_losses = (
+                    int(x) for x in self._all_reduce_sum(window).tolist()
+                )
+                self._check_nonfinite(bad_steps // self.dp_world_size, bad_losses, metrics)
                 self.tokens_seen += window_tokens
                 last = {
                     "step": self.step,
@@ -650,29 +653,37 @@ class Trainer:
                     if isinstance(v, torch.Tensor) and id(local(v)) not in known:
                         local(v).copy_(torch.where(ok.to(v.device), local(v), torch.zeros_like(local(v))))
 
-    def _count_nonfinite(self, finite: torch.Tensor) -> None:
-        bad = (~finite).to(self._nonfinite.dtype)
+    def _count_nonfinite(self, grad_ok: torch.Tensor, loss_ok: torch.Tensor) -> None:
+        """Device-side bookkeeping of one step (no host sync): counts, and the first bad step."""
+        bad = torch.stack([~grad_ok, ~loss_ok]).to(self._nonfinite.dtype)
         step = float(self.step + 1)  # train_step runs before self.step is incremented
         first_missing = self._first_nonfinite == 0
-        self._first_nonfinite = torch.where(first_missing & (bad > 0), step, self._first_nonfinite)
+        self._first_nonfinite = torch.where(first_missing & (bad.sum() > 0), step, self._first_nonfinite)
         self._nonfinite = self._nonfinite + bad
 
-    def _check_nonfinite(self, bad: int, metrics: dict[str, Any]) -> None:
-        """At a sync: ``bad`` non-finite steps (all ranks) since the last one -> stop, or count the skips."""
-        first = int(self._first_nonfinite.item()) if bad else 0
+    def _check_nonfinite(self, bad_steps: int, bad_losses: int, metrics: dict[str, Any]) -> None:
+        """At a sync: ``bad_steps`` steps with a non-finite gradient norm and ``bad_losses`` non-finite
+        losses (summed over ranks) since the last sync -> stop, or count the skipped steps."""
+        first = int(self._first_nonfinite.item()) if bad_steps or bad_losses else 0
         self._nonfinite.zero_()
         self._first_nonfinite.zero_()
-        if not bad:
+        if not (bad_steps or bad_losses):
             return
         if self._skip_nonfinite:
-            self.nonfinite_skipped += bad
-            logger.warning(
-                "skipped %d optimizer step(s) with a non-finite loss or gradient norm (first: step %d; "
-                "%d skipped in all; trainer.on_nonfinite=skip_step)",
-                bad,
-                first or self.step,
-                self.nonfinite_skipped,
-            )
+            self.nonfinite_skipped += bad_steps
+            if self.dist.is_main and bad_steps:
+                logger.warning(
+                    "skipped %d optimizer step(s) with a non-finite gradient norm (first: step %d; %d "
+                    "skipped in all; trainer.on_nonfinite=skip_step)",
+                    bad_steps,
+                    first or self.step,
+                    self.nonfinite_skipped,
+                )
+            elif self.dist.is_main:
+                logger.warning(
+                    "a non-finite loss with finite gradients at step %d: the step was applied",
+                    first or self.step,
+                )
             return
         newest = self.checkpointer.last_step
         kept = f"the newest checkpoint (step {newest}) is finite" if newest else "no checkpoint was saved"
@@ -686,8 +697,10 @@ class Trainer:
 
     def _assert_finite_state(self) -> None:
         """Before a save: no pending non-finite step, and every parameter finite (on every rank)."""
-        pending = int(self._all_reduce_sum(self._nonfinite.float()).item())
-        self._check_nonfinite(pending, {"loss": float("nan"), "grad_norm": float("nan")})
+        bad_steps, bad_losses = (int(x) for x in self._all_reduce_sum(self._nonfinite).tolist())
+        self._check_nonfinite(
+            bad_steps // self.dp_world_size, bad_losses, {"loss": float("nan"), "grad_norm": float("nan")}
+        )
         local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
         finite = torch.stack([torch.isfinite(p).all() for p in local if p.numel()]).all()
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
