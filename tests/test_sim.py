@@ -203,6 +203,13 @@ def test_expect_no_sync_or_fallback_and_modes() -> None:
         counters.reset(); x.sin(); x.cos()
         print("fallbacks", counters.snapshot().fallbacks)
         counters.mark_unsupported([])
+        counters.reset()
+        with counters.paused():
+            with counters.paused():
+                x.sum().item()
+            x.sum().item()                # still paused: the outer block has not ended
+        x.sum().item()
+        print("paused", counters.take().syncs)
         counters.set_mode("raise")
         try:
             x.sum().item()
@@ -218,6 +225,7 @@ def test_expect_no_sync_or_fallback_and_modes() -> None:
         "strict True",
         "unsupported True",
         "fallbacks {'aten::sin.out': 1}",  # structured ops arrive as .out
+        "paused {'item': 1}",
         "mode-raise True",
     ]
 

@@ -67,6 +67,7 @@ _mode = "count"
 _fallback_actions: dict[str, str] = {}
 _first_stacks: dict[str, str] = {}
 _scopes: list[_Scope] = []
+_pause_depth = 0
 
 
 class SimOffenceError(AssertionError):
@@ -272,14 +273,20 @@ def take() -> Counts:
 @contextlib.contextmanager
 def paused() -> Iterator[None]:
     """Count nothing inside: for logging and checkpointing code that syncs on purpose."""
+    global _pause_depth
     if _ext is None:
         yield
         return
-    _ext.set_counting(False)
+    with _lock:
+        _pause_depth += 1
+        _ext.set_counting(False)
     try:
         yield
     finally:
-        _ext.set_counting(True)
+        with _lock:
+            _pause_depth -= 1
+            if _pause_depth == 0:  # nested pauses: only the outermost resumes counting
+                _ext.set_counting(True)
 
 
 @contextlib.contextmanager
