@@ -93,6 +93,15 @@ def test_missing_package_is_a_problem_with_the_install_hint(monkeypatch: pytest.
     assert "needs jax" in problem and "portatrain[pallas]" in problem
 
 
+def test_kernels_with_tensor_parallel_are_refused_up_front(monkeypatch: pytest.MonkeyPatch) -> None:
+    from portatrain.validate import config_problems as all_problems
+    from tests.conftest import compose_config
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = compose_config(["device=cpu", "kernels.enabled=[pallas_interpret_rmsnorm]", "parallel.tp=2"])
+    assert any("kernel overrides take plain tensors" in p and "parallel.tp=2" in p for p in all_problems(cfg))
+
+
 def test_resolve_raises_once_with_every_problem() -> None:
     with pytest.raises(KernelConfigError) as err:
         resolve(["bogus", "pallas_swiglu"], "cpu")

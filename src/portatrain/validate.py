@@ -44,6 +44,12 @@ def config_problems(cfg: Config) -> list[str]:
     problems += checkpoint_problems(cfg.checkpoint)
     problems += compile_problems(cfg.compile)
     problems += kernel_problems(list(cfg.kernels.enabled), cfg.device.type)
+    if cfg.kernels.enabled and cfg.parallel.tp > 1:
+        # The overrides are custom ops on plain tensors; tensor parallel feeds the blocks DTensors.
+        problems.append(
+            f"kernels.enabled={list(cfg.kernels.enabled)} with parallel.tp={cfg.parallel.tp}: kernel "
+            "overrides take plain tensors, not tensor-parallel DTensors; set parallel.tp=1 or kernels.enabled=[]"
+        )
     problems += profile_problems(cfg.profile)
     problems += bench_problems(cfg.bench)
     problems += runtime_audit_problems(cfg.audit, cfg.compile)
