@@ -12,10 +12,12 @@ from portatrain.data.collate import (
     OverlongError,
     PackingCollator,
     PadCollator,
+    document_causal_mask,
     fit_documents,
     loss_token_count,
     padding_stats,
     select_bucket,
+    with_attention_mask,
 )
 from portatrain.data.packing import pack_documents, packing_efficiency
 
@@ -127,9 +129,11 @@ def test_packing_restarts_positions_and_never_labels_across_documents():
         "input_ids": (3, 12),
         "labels": (3, 12),
         "positions": (3, 12),
-        "attn_mask": (3, 1, 12, 12),
+        "document_ids": (3, 12),  # the loader never builds the [B, 1, S, S] mask
     }
-    assert batch["attn_mask"].dtype == torch.bool
+    assert batch["document_ids"].dtype == torch.int32
+    assert batch["document_ids"][0].tolist() == [0] * 3 + [1] * 5 + [2] * 4  # the pad tail is one more
+    assert batch["document_ids"][2].tolist() == [0] * 12  # a filler row: one all-pad document
     assert batch["positions"][0].tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3]  # pad tail restarts too
     assert batch["input_ids"][0, :8].tolist() == docs[0][:-1] + docs[1][:-1]
     assert batch["labels"][0].tolist() == docs[0][1:] + docs[1][1:] + [IGNORE_INDEX] * 4
@@ -139,12 +143,28 @@ def test_packing_restarts_positions_and_never_labels_across_documents():
 
 def test_packing_mask_is_block_diagonal_causal():
     _, batch = _packed_batch()
-    mask = batch["attn_mask"][0, 0]
-    segment = torch.tensor([0] * 3 + [1] * 5 + [2] * 4)
-    expected = (segment[:, None] == segment[None, :]) & torch.ones(12, 12, dtype=torch.bool).tril()
+    full = with_attention_mask(batch)["attn_mask"]
+    assert full.shape == (3, 1, 12, 12) and full.dtype == torch.bool
+    mask = full[0, 0]
+    # Written out by hand, block by block (3, 5 and 4 positions), not by the function under test.
+    expected = torch.zeros(12, 12, dtype=torch.bool)
+    for start, n in ((0, 3), (3, 5), (8, 4)):
+        expected[start : start + n, start : start + n] = torch.ones(n, n, dtype=torch.bool).tril()
     assert torch.equal(mask, expected)
     assert not mask[3, 2] and mask[4, 3] and not mask[3, 4], "no attention across a document or to the future"
-    assert batch["attn_mask"].any(dim=-1).all(), "every query attends to something (no NaN rows in SDPA)"
+    assert full.any(dim=-1).all(), "every query attends to something (no NaN rows in SDPA)"
+    assert torch.equal(full[2, 0], torch.ones(12, 12, dtype=torch.bool).tril()), "a filler row is causal"
+
+
+def test_with_attention_mask_leaves_other_batches_alone_and_checks_the_shape():
+    docs, packed = _packed_batch()
+    padded = PadCollator([16], batch_size=2, pad_id=PAD)(docs[:2])
+    assert with_attention_mask(padded) is padded  # bucket/pad batches keep SDPA's is_causal path
+    assert "attn_mask" not in packed, "the mask is added to a new dict; the loader's batch is not changed"
+    given = torch.zeros(3, 1, 12, 12, dtype=torch.bool)
+    assert with_attention_mask({**packed, "attn_mask": given})["attn_mask"] is given
+    with pytest.raises(ValueError, match=r"\[batch, seq\], got shape \(12,\)"):
+        document_causal_mask(packed["document_ids"][0])
 
 
 # --- Loss parity with a real model -------------------------------------------------------------
@@ -200,7 +220,7 @@ def test_packed_rows_match_the_documents_run_one_by_one(llama):
     lengths = [len(d) - 1 for d in docs]
     rows = [[docs[i] for i in row] for row in pack_documents(lengths, 128)]
     assert [len(row) for row in rows] == [4, 2, 1], "rows 0 and 1 hold several documents"
-    batch = PackingCollator(seq_len=128, batch_size=4, pad_id=PAD)(rows)  # plus one filler row
+    batch = with_attention_mask(PackingCollator(seq_len=128, batch_size=4, pad_id=PAD)(rows))  # + filler row
     logits = llama(batch["input_ids"], positions=batch["positions"], attn_mask=batch["attn_mask"])
     loss = _summed_loss(logits, batch["labels"]) / loss_token_count(batch)
     ref_logits, ref_loss = _one_by_one(llama, docs)
@@ -223,7 +243,7 @@ def test_packed_rows_match_the_documents_run_one_by_one(llama):
 def test_packed_gradients_are_finite_and_match_one_by_one(llama):
     docs = _docs([20, 9, 31, 14])
     rows = [[docs[0], docs[1]], [docs[2], docs[3]]]
-    batch = PackingCollator(seq_len=64, batch_size=3, pad_id=PAD)(rows)  # padded tails, one filler row
+    batch = with_attention_mask(PackingCollator(seq_len=64, batch_size=3, pad_id=PAD)(rows))  # + filler row
     params = [p for p in llama.parameters()]
     loss = _summed_loss(
         llama(batch["input_ids"], positions=batch["positions"], attn_mask=batch["attn_mask"]), batch["labels"]
@@ -240,7 +260,8 @@ def test_causal_packing_has_no_mask_and_running_positions():
     docs, document = _packed_batch()
     rows = [[docs[0], docs[1]], [docs[2], docs[3]]]
     causal = PackingCollator(12, 3, PAD, causal=True)(rows)
-    assert "attn_mask" not in causal
+    assert "attn_mask" not in causal and "document_ids" not in causal
+    assert with_attention_mask(causal) is causal
     assert torch.equal(causal["input_ids"], document["input_ids"])
     assert torch.equal(causal["labels"], document["labels"])
     assert causal["positions"].tolist() == [list(range(12))] * 3

@@ -84,7 +84,7 @@ def test_warmup_batches_cover_every_shape_with_valid_labels(collator: str) -> No
     assert [tuple(b["input_ids"].shape) for b in batches] == batch_shapes(data_cfg)
     for batch in batches:
         assert (batch["labels"] != -100).all()
-        assert ("attn_mask" in batch) == (collator == "packing")  # same inputs, same dynamo guards
+        assert ("document_ids" in batch) == (collator == "packing")  # same inputs, same dynamo guards
 
 
 def test_warmup_compiles_one_graph_per_bucket_and_training_then_never_recompiles(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from portatrain.config import DataConfig
-from portatrain.data.collate import IGNORE_INDEX, OverlongError
+from portatrain.data.collate import IGNORE_INDEX, OverlongError, with_attention_mask
 from portatrain.data.errors import DataError
 from portatrain.data.pipeline import build_data
 from portatrain.data.prepare import prepare
@@ -58,11 +58,14 @@ def test_every_batch_has_a_listed_shape(corpus_dir, collator):
         seen.add(shape)
         assert batch["labels"].shape == batch["positions"].shape == batch["input_ids"].shape
         assert all(batch[k].dtype == torch.long for k in ("input_ids", "labels", "positions"))
+        assert "attn_mask" not in batch, "the mask is built on the device, from document_ids"
         if collator == "packing":
-            assert batch["attn_mask"].shape == (4, 1, 128, 128) and batch["attn_mask"].dtype == torch.bool
-            assert batch["attn_mask"].any(-1).all(), "every query attends to at least itself"
+            ids = batch["document_ids"]
+            assert ids.shape == (4, 128) and ids.dtype == torch.int32
+            assert (ids.diff(dim=1) >= 0).all() and (ids[:, 0] == 0).all(), "numbered from each row's start"
+            assert with_attention_mask(batch)["attn_mask"].any(-1).all(), "every query attends to itself"
         else:
-            assert "attn_mask" not in batch
+            assert "document_ids" not in batch
     assert seen == allowed
 
 
@@ -88,11 +91,13 @@ def test_packing_rows_are_dense_and_documents_stay_apart(corpus_dir):
     real = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
     assert real / (40 * 4 * 128) > 0.9, "online best-fit packing wastes under 10%"
     b = batches[0]
-    mask, pos = b["attn_mask"][0, 0], b["positions"][0]
+    mask, pos, ids = with_attention_mask(b)["attn_mask"][0, 0], b["positions"][0], b["document_ids"][0]
     starts = (pos == 0).nonzero().flatten().tolist()
     assert len(starts) >= 2
     s = starts[1]
     assert not mask[s, s - 1] and mask[s, s] and mask[s - 1, 0]  # no attention across the boundary
+    # A new document id exactly where positions restart (the pad tail included).
+    assert (ids.diff() != 0).nonzero().flatten().add(1).tolist() == starts[1:]
 
 
 @pytest.mark.parametrize("collator", COLLATORS)
@@ -177,7 +182,8 @@ def test_causal_packing_has_no_mask_and_running_positions(corpus_dir):
     corpus = PreparedCorpus(corpus_dir)
     doc = next(iter(_loader(corpus, packing_attention="document", prefetch=0)))
     causal = next(iter(_loader(corpus, packing_attention="causal", prefetch=0)))
-    assert "attn_mask" not in causal and causal["positions"][0].tolist() == list(range(128))
+    assert "attn_mask" not in causal and "document_ids" not in causal
+    assert causal["positions"][0].tolist() == list(range(128))
     assert torch.equal(doc["input_ids"], causal["input_ids"]) and torch.equal(doc["labels"], causal["labels"])
 
 

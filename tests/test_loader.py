@@ -57,11 +57,11 @@ def test_every_batch_has_a_listed_shape(collator, last_batch):
         seen.add(shape)
         assert batch["labels"].shape == batch["positions"].shape == batch["input_ids"].shape
         assert batch["input_ids"].dtype == batch["labels"].dtype == batch["positions"].dtype == torch.long
+        assert "attn_mask" not in batch, "the mask is built on the device, from document_ids"
         if collator == "packing":
-            assert batch["attn_mask"].shape == (*shape[:1], 1, shape[1], shape[1])
-            assert batch["attn_mask"].dtype == torch.bool
+            assert batch["document_ids"].shape == shape and batch["document_ids"].dtype == torch.int32
         else:
-            assert "attn_mask" not in batch
+            assert "document_ids" not in batch
     assert seen == allowed, "this data uses every bucket"
 
 

@@ -262,8 +262,9 @@ def warmup_batches(
     ``collate`` is the loader's own collate function and ``shapes`` its
     ``portatrain.data.loader.batch_shapes``; ``packed`` says whether it collates packed rows (lists of
     documents) rather than documents. Each row is one random document exactly as long as the row,
-    passed through ``collate``, so a bucket batch has no padding and a packing batch has the (plain
-    causal) mask a real one carries. Token ids come from a private generator: the global RNG is not
+    passed through ``collate``, so a bucket batch has no padding and a packing batch carries the
+    ``document_ids`` a real one carries (one document per row: the Trainer's device-side mask is then
+    plain causal, with a real batch's shape and dtype). Token ids come from a private generator: the global RNG is not
     touched.
     """
     generator = torch.Generator().manual_seed(seed)

@@ -27,8 +27,9 @@ OVERLONG = OVERLONG_POLICIES
 SAMPLERS = ORDERS
 """``data.sampler``: ``length_grouped``, ``random`` or ``sequential``."""
 PACKING_ATTENTION = ("document", "causal")
-"""``data.packing_attention``: ``document`` (block-diagonal mask, positions restart per document) or
-``causal`` (no mask: documents separated only by EOS, SDPA's fused causal path; positions 0..S-1)."""
+"""``data.packing_attention``: ``document`` (block-diagonal mask, built on the device from per-position
+document ids; positions restart per document) or ``causal`` (no mask: documents separated only by
+EOS, SDPA's fused causal path; positions 0..S-1)."""
 FORMATS = FORMATS
 """``data.format``: ``text``, ``prompt_response`` or ``chat``."""
 

@@ -4,7 +4,8 @@ Packing is done over the document list before any sampling, by a deterministic b
 pass: the result depends only on the documents and ``seq_len`` (not on seed, epoch or rank), so the
 packed rows form a fixed map-style dataset the sampler can shuffle, shard and resume like any other.
 A document is never cut across rows here; overlong documents were already truncated or split by
-``collate.fit_documents``. The masks that keep documents apart are built in ``collate.PackingCollator``.
+``collate.fit_documents``. What keeps documents apart in a row (document ids, from which
+``collate.document_causal_mask`` builds the attention mask) is written by the collators.
 """
 
 from __future__ import annotations

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import queue
-import sys
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -131,7 +130,6 @@ class StreamingLoader:
         self.infinite = infinite
         self.prefetch = prefetch
         self._epoch_cache: tuple[int, np.ndarray, np.ndarray] | None = None
-        self._masks = _MaskPool()
         self._state: dict[str, Any] = {"epoch": 0, "window": 0, "batch": 0, "carry": []}
         self._fingerprint = {
             **corpus.fingerprint,
@@ -322,31 +320,28 @@ class StreamingLoader:
                 "positions": torch.arange(seq, dtype=torch.long).repeat(b, 1),
             }
         positions = np.tile(np.arange(seq, dtype=np.int64), (b, 1))
-        # Block-diagonal causal mask, written block by block: the cost is the documents' own
-        # triangles, not B * S * S comparisons; buffers are recycled once the trainer drops a batch.
-        attn_mask, blocks = self._masks.take((b, 1, seq, seq))
-        tril = _tril(seq)
+        # Document ids, not the [B, 1, S, S] mask: the mask is built on the device at the point of
+        # use (collate.document_causal_mask), from 4 bytes per position instead of S.
+        document_ids = np.zeros((b, seq), dtype=np.int32)
         for r in range(b):
             row = rows[r] if r < len(rows) else []
             at = 0
-            for piece in row:
+            for k, piece in enumerate(row):
                 x, y = self._read(tuple(piece))
                 n = len(x)
                 input_ids[r, at : at + n] = x
                 labels[r, at : at + n] = y
                 positions[r, at : at + n] = np.arange(n)
-                attn_mask[r, 0, at : at + n, at : at + n] = tril[:n, :n]
-                blocks.append((r, at, n))
+                document_ids[r, at : at + n] = k
                 at += n
-            # The padded tail is one more causal block (every query attends to at least itself).
+            # The padded tail is one more document (every query attends to at least itself).
             positions[r, at:] = np.arange(seq - at)
-            attn_mask[r, 0, at:, at:] = tril[: seq - at, : seq - at]
-            blocks.append((r, at, seq - at))
+            document_ids[r, at:] = len(row)
         return {
             "input_ids": torch.from_numpy(input_ids),
             "labels": torch.from_numpy(labels),
             "positions": torch.from_numpy(positions),
-            "attn_mask": torch.from_numpy(attn_mask),
+            "document_ids": torch.from_numpy(document_ids),
         }
 
     # -- resume -----------------------------------------------------------------------------
@@ -395,51 +390,6 @@ def _unjson(unit: list) -> Any:
     if unit and isinstance(unit[0], list | tuple):
         return [tuple(p) for p in unit]
     return tuple(unit)
-
-
-class _MaskPool:
-    """Recycles ``[B, 1, S, S]`` mask buffers: a fresh 33 MB array costs its page faults at every
-    batch (B=8, S=2048), a reused one only clearing the blocks it held last time.
-
-    A buffer is reused only when nothing but the pool refers to it: ``torch.from_numpy`` keeps a
-    reference to the array for as long as the tensor (or any view of it) lives, so a batch the
-    trainer still holds is never overwritten.
-    """
-
-    def __init__(self, keep: int = 8) -> None:
-        self.keep = keep
-        self.buffers: list[tuple[np.ndarray, list[tuple[int, int, int]]]] = []
-        # Two iterators of one loader (two producer threads) must not both claim a free buffer:
-        # once take() returns, the caller's reference makes the buffer look busy to the other.
-        self.lock = threading.Lock()
-
-    def take(self, shape: tuple[int, ...]) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
-        with self.lock:
-            return self._take(shape)
-
-    def _take(self, shape: tuple[int, ...]) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
-        for buf, blocks in self.buffers:
-            # 3 = the pool's tuple, this loop's name, getrefcount's argument: no tensor holds it.
-            if buf.shape == shape and sys.getrefcount(buf) <= 3:
-                for r, at, n in blocks:
-                    buf[r, 0, at : at + n, at : at + n] = False
-                blocks.clear()
-                return buf, blocks
-        entry = (np.zeros(shape, dtype=bool), [])
-        if len(self.buffers) < self.keep:
-            self.buffers.append(entry)
-        return entry
-
-
-_TRIL: dict[int, np.ndarray] = {}
-
-
-def _tril(n: int) -> np.ndarray:
-    """A cached lower-triangular boolean ``[n, n]`` (read-only; sliced for each document)."""
-    if n not in _TRIL:
-        _TRIL[n] = np.tril(np.ones((n, n), dtype=bool))
-        _TRIL[n].setflags(write=False)
-    return _TRIL[n]
 
 
 _DONE = object()
