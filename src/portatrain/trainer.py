@@ -25,6 +25,11 @@ Hooks (override in a subclass; each has one job):
 ``on_step_end(step, metrics)`` / ``on_eval_end(step, metrics)``
     Callbacks after each optimizer step / evaluation (default: nothing).
 
+Hooks that take a ``batch`` get it on the device. For packed rows (``data.packing_attention=document``)
+the loader sends ``document_ids`` and the Trainer adds ``attn_mask``, built on the device
+(``portatrain.data.collate.with_attention_mask``), so ``self.model(batch["input_ids"],
+positions=batch.get("positions"), attn_mask=batch.get("attn_mask"))`` works in every hook.
+
 Everything else (data, optimizer, schedule, metrics, checkpoints) is built from the config by
 the stages it names; a subclass changes behaviour by overriding a hook, not by copying ``fit``.
 """
@@ -59,6 +64,7 @@ from portatrain.checkpoint import (
 from portatrain.checkpoint.common import broadcast_from_main
 from portatrain.compile import CompileCache, CompileMonitor, block_compiler, warmup_batches
 from portatrain.config import Config
+from portatrain.data.collate import with_attention_mask
 from portatrain.data.loader import batch_shapes, build_collator, build_dataloader
 from portatrain.data.pipeline import build_data
 from portatrain.distributed import destroy_distributed, dist_info_from_env, init_distributed
@@ -729,7 +735,8 @@ class Trainer:
         return torch.autocast(self.accelerator.device_type, dtype=self.dtype)
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        # Packed rows come with document ids; their [B, 1, S, S] mask is built here, on the device.
+        return with_attention_mask({k: v.to(self.device, non_blocking=True) for k, v in batch.items()})
 
     def _all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel ranks (tp ranks of one dp group hold the same value)."""
