@@ -45,6 +45,7 @@ from omegaconf import DictConfig, open_dict
 
 from portatrain.cli import config_dir
 from portatrain.config import register_configs
+from portatrain.data.collate import with_attention_mask
 from portatrain.data.documents import load_documents
 from portatrain.data.loader import build_dataloader
 from portatrain.data.tokenizer import build_tokenizer
@@ -152,6 +153,7 @@ def portatrain_model(cfg: DictConfig) -> torch.nn.Module:
 
 
 def portatrain_forward(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    batch = with_attention_mask(batch)  # packed rows: the mask from document_ids, as the Trainer does
     return model(batch["input_ids"], positions=batch.get("positions"), attn_mask=batch.get("attn_mask"))
 
 
