@@ -11,11 +11,15 @@ Sections (each printed as a table):
    worker and on every core; per-core figures divide by the worker count.
 2. ``loader``: real (labelled) tokens/s of the streaming loader over prepared shards, in one
    process with prefetching off (the loader's own cost), per collator at ``seq_len=2048``, batch 8,
-   with the padding waste (share of positions that are padding).
+   with the padding waste (share of positions that are padding). ``packing_attention=document``
+   batches carry document ids; the ``[B, 1, S, S]`` mask is built where the batch is used, timed in
+   section 5.
 3. ``scale``: time to the first batch and peak resident memory of a fresh process that opens a
    prepared corpus of 10M and 100M tokens and reads 200 batches -- flat in the corpus size.
 4. ``attention``: forward+backward of the debug Llama on packed rows with the document mask
    (``packing_attention=document``) vs plain causal (``causal``), same tokens.
+5. ``mask``: ``collate.document_causal_mask`` (what the Trainer runs on the device after moving a
+   packed batch) for one batch of 8 x 2048, on the CPU and, where present, on CUDA.
 
 Corpora for sections 2-3 are written straight into the prepared layout (random token ids with
 log-normal document lengths) so their size costs seconds, not a prepare run; section 1 measures
@@ -253,6 +257,7 @@ def bench_attention(corpus_dir: Path, steps: int) -> None:
     import torch
 
     from portatrain.config import ModelConfig
+    from portatrain.data.collate import with_attention_mask
     from portatrain.data.store import PreparedCorpus
     from portatrain.models import build_model
 
@@ -275,7 +280,7 @@ def bench_attention(corpus_dir: Path, steps: int) -> None:
             pad_id=0,
             packing_attention=attention,
         )
-        batch = next(iter(loader))
+        batch = with_attention_mask(next(iter(loader)))  # the mask, as the Trainer builds it
         # A small vocabulary: the step is attention and MLPs, not the head.
         batch["input_ids"] = batch["input_ids"] % model.embed_tokens.num_embeddings
         times = []
@@ -287,11 +292,40 @@ def bench_attention(corpus_dir: Path, steps: int) -> None:
         print(f"| {attention} | {1000 * sorted(times[1:])[len(times[1:]) // 2]:.0f} |")
 
 
+def bench_mask(corpus_dir: Path, repeats: int) -> None:
+    import torch
+
+    from portatrain.data.collate import document_causal_mask
+    from portatrain.data.store import PreparedCorpus
+
+    batch = next(iter(_loader(PreparedCorpus(corpus_dir), "packing")))
+    ids, real = batch["document_ids"], int((batch["labels"] != -100).sum())
+    print(f"\n## mask (document_causal_mask of one packed batch {tuple(ids.shape)}, bool [B, 1, S, S] out)")
+    print("| device | ms per batch | real tokens/s it could serve |")
+    print("| --- | ---: | ---: |")
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        on_device = ids.to(device)
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        document_causal_mask(on_device)  # first call: allocator, kernel load
+        sync()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            document_causal_mask(on_device)
+            sync()
+            times.append(time.perf_counter() - start)
+        median = sorted(times)[len(times) // 2]
+        print(f"| {device} | {1000 * median:.3f} | {real / median / 1e6:.2f}M |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes (under a minute)")
     parser.add_argument("--scale-child", help=argparse.SUPPRESS)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["prepare", "loader", "scale", "attention"])
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=["prepare", "loader", "scale", "attention", "mask"]
+    )
     args = parser.parse_args()
     if args.scale_child:
         _scale_child(args.scale_child)
@@ -309,6 +343,8 @@ def main() -> None:
             bench_scale(tmp, [10_000_000] if args.quick else [10_000_000, 100_000_000])
         if "attention" not in args.skip:
             bench_attention(corpus, 2 if args.quick else 5)
+        if "mask" not in args.skip:
+            bench_mask(corpus, 10 if args.quick else 50)
 
 
 if __name__ == "__main__":
