@@ -249,7 +249,8 @@ def bench_scale(tmp: Path, sizes: list[int]) -> None:
         )
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         print(
-            f"| {r['tokens'] / 1e6:.0f}M | {docs:,} | {r['first_batch_s']:.2f} s | {r['peak_rss_mb']:.0f} MB |"
+            f"| {r['tokens'] / 1e6:.0f}M | {docs:,} | {r['first_batch_s']:.2f} s | {r['peak_rss_mb']:.0f} MB "
+            f"| {r['anon_mb']:.0f} MB | {r['file_mb']:.0f} MB |"
         )
 
 
