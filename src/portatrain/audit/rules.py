@@ -193,7 +193,7 @@ _RULES: tuple[Rule, ...] = (
         4,
         "dynamic shapes",
         "batches padded to their own longest sequence: a new shape (and a recompile) per length",
-        "pad to a fixed length or to bucket edges (portatrain: `data.collator=bucket|pack|pad_to_max`)",
+        "pad to a fixed length or to bucket edges (portatrain: `data.collator=bucket|packing|pad_to_max`)",
     ),
     Rule(
         "pad-sequence-unbucketed",
