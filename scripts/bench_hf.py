@@ -19,25 +19,23 @@ training, both models' losses on one random batch are printed: equal weights, so
     OMP_NUM_THREADS=1 python scripts/bench_hf.py --method lockstep --modes eager --steps 40
 
 **What a user sees** (``--method processes``, the default): lockstep in one process shares one
-dynamo/inductor state and one warm CPU cache between the runners, and there per-block compilation
-looked even with HF. A user runs one process per try, with nothing compiled before. So each runner
-here is its own fresh process with an empty inductor cache (``TORCHINDUCTOR_CACHE_DIR`` in a new
-temporary directory, ``compile.cache=false``), compiled, timing ``--steps`` steps after
-``--warmup``; runners take turns (order rotated per round) for ``--rounds`` rounds so load from other
-processes spreads over all. Runners:
+dynamo/inductor state, one set of compiled-code caches and a warm CPU cache between the runners, and
+there per-block compilation looked even with HF while users saw it ~8% behind. A user runs one
+process per try with nothing compiled before. So here each runner is its own fresh process with its
+own empty inductor cache (``TORCHINDUCTOR_CACHE_DIR``, ``compile.cache=false``), compiled; the
+processes compile one at a time (first-step times reported), then step in lockstep *across*
+processes -- the driver asks each for one step in turn, order rotated -- so a burst of load from
+other jobs hits all alike (runners in sequence were useless here: the load average fell from 7 to
+3 during one such run and moved the ratios by 2x). Runners:
 
-- ``portatrain bench``: ``portatrain.bench.run_bench`` -- the Trainer exactly as ``portatrain bench``
-  runs it (per-block compile; the embedding, final norm, output head and loss eager);
-- ``HF compiled``: ``torch.compile(LlamaForCausalLM)`` (whole model) in the bare loop;
-- ``portatrain model, per-block, bare loop`` and ``portatrain model, whole, bare loop``: portatrain's
-  model in the same bare loop compiled per block / whole (``model.compile()``), which separates the
-  Trainer's own cost from the compile granularity's.
+- ``trainer``: the Trainer's own ``fit()`` loop (per-block compile; the embedding, final norm,
+  output head and loss eager; logging every 5 steps), each step timed up to its ``on_step_end``;
+- ``hf``: ``torch.compile(LlamaForCausalLM)`` (whole model) in the bare loop of ``bench_overhead.py``;
+- ``ours-blocks`` / ``ours-whole``: portatrain's model in the same bare loop, compiled per block /
+  whole (``model.compile()``): they separate the Trainer's own cost from the compile granularity's.
 
-Reported per runner: median step time and tokens/s (real tokens per step over the median), the
-first-step time (compilation), each round's ratio to HF and the load average.
-
-    OMP_NUM_THREADS=1 python scripts/bench_hf.py                     # processes, 2 rounds
-    OMP_NUM_THREADS=1 python scripts/bench_hf.py --rounds 1 --steps 20
+    OMP_NUM_THREADS=1 python scripts/bench_hf.py                     # processes (~6 min)
+    OMP_NUM_THREADS=1 python scripts/bench_hf.py --steps 20
 """
 
 from __future__ import annotations
@@ -45,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,6 +57,7 @@ from bench_overhead import (  # noqa: E402  (a sibling script, not a package)
     BASE_OVERRIDES,
     TRAINER,
     LoopRunner,
+    Step,
     compile_blocks,
     compose,
     portatrain_model,
@@ -114,30 +112,49 @@ def check_same_loss(loops: dict[str, LoopRunner], batch_size: int, seq_len: int,
 # One process per runner: what a user sees
 # ---------------------------------------------------------------------------------------------
 PROCESS_RUNNERS = {
-    "bench": "portatrain bench",
+    "trainer": "portatrain Trainer (fit)",
     "hf": "HF compiled (whole model), bare loop",
     "ours-blocks": "portatrain model, per-block, bare loop",
     "ours-whole": "portatrain model, whole, bare loop",
 }
 
 
-def worker(name: str, steps: int, warmup: int, overrides: list[str]) -> dict:
-    """Run one runner in this (fresh) process; return its step times and tokens per step."""
+_MARK = "bench_hf_worker: "
+
+
+def _reply(**values: float) -> None:
+    print(_MARK + json.dumps(values), flush=True)  # marked: other output may share stdout
+
+
+def worker(name: str, overrides: list[str]) -> None:
+    """One runner in this fresh process, driven over stdin/stdout by :func:`run_processes`.
+
+    On the first command it builds and compiles (timing step 1, compilation included), then runs one
+    step per ``step`` command and replies with its time; ``quit`` ends it.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         cfg = compose(overrides + ["compile.enabled=true", "compile.cache=false"], Path(tmp) / "run")
-        if name == "bench":
+        sys.stdin.readline()  # "start": the driver starts runners one at a time
+        start = time.perf_counter()
+        if name == "trainer":
             from omegaconf import open_dict
 
-            from portatrain.bench import run_bench
+            from portatrain.trainer import Trainer
+
+            class Driven(Trainer):
+                resumed = start
+
+                def on_step_end(self, step: int, metrics: dict) -> None:
+                    self.accelerator.synchronize()
+                    _reply(s=time.perf_counter() - self.resumed, tokens=metrics["tokens"])
+                    if sys.stdin.readline().strip() != "step":
+                        raise SystemExit(0)
+                    self.resumed = time.perf_counter()
 
             with open_dict(cfg):
-                cfg.bench.steps, cfg.bench.warmup_steps = steps, warmup
-            r = run_bench(cfg)
-            return {
-                "step_s": r["step_time_median_s"],
-                "first_step_s": r["first_step_s"],
-                "tokens_per_step": r["tokens_per_step"],
-            }
+                cfg.trainer.steps = 10**6
+            Driven(cfg).fit()  # the Trainer's own loop: logging, token counts, compile monitor
+            return
         ours = portatrain_model(cfg)
         if name == "hf":
             model, forward = hf_model(ours), hf_forward
@@ -146,61 +163,67 @@ def worker(name: str, steps: int, warmup: int, overrides: list[str]) -> dict:
             model, forward = ours, ours_forward
             compile_blocks(model) if name == "ours-blocks" else model.compile()
         loop = LoopRunner(cfg, model, forward)
-        times, tokens = [], []
-        for _ in range(warmup + 1 + steps):
+        while True:
+            tokens = loop.step()
+            _reply(s=time.perf_counter() - start, tokens=tokens)
+            if sys.stdin.readline().strip() != "step":
+                return
             start = time.perf_counter()
-            tokens.append(loop.step())
-            times.append(time.perf_counter() - start)
-        return {
-            "step_s": statistics.median(times[warmup + 1 :]),
-            "first_step_s": times[0],
-            "tokens_per_step": statistics.fmean(tokens[warmup + 1 :]),
-        }
 
 
 def run_processes(args: argparse.Namespace, overrides: list[str]) -> None:
+    """Every runner in its own fresh process, with its own empty inductor cache; steps in lockstep
+    across the processes (one step of each in turn, order rotated), so load hits all alike."""
     names = list(PROCESS_RUNNERS)
-    results: dict[str, list[dict]] = {n: [] for n in names}
     print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; overrides: {overrides}")
-    for round_ in range(args.rounds):
-        order = names[round_ % len(names) :] + names[: round_ % len(names)]
-        for name in order:
-            with tempfile.TemporaryDirectory() as cache:
-                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-                proc = subprocess.run(
-                    [sys.executable, __file__, "--worker", name, "--steps", str(args.steps),
-                     "--warmup", str(args.warmup), *args.overrides],
-                    env=env, capture_output=True, text=True,
-                )  # fmt: skip
-            if proc.returncode != 0:
-                raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-            r = json.loads(proc.stdout.strip().splitlines()[-1])
-            r["load"] = os.getloadavg()[0]
-            results[name].append(r)
-            print(
-                f"  round {round_} {PROCESS_RUNNERS[name]:<42} step {r['step_s'] * 1e3:7.1f} ms, "
-                f"first step {r['first_step_s']:6.1f} s, load {r['load']:.1f}",
-                flush=True,
-            )
-    print(
-        f"\n  {'runner':<42} {'tokens/s':>9} {'step ms':>8} {'first step s':>13}  tokens/s ratio to HF per round"
-    )
+    with tempfile.TemporaryDirectory() as caches:
+        procs = {}
+        for name in names:
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(caches) / name)}
+            procs[name] = subprocess.Popen(
+                [sys.executable, __file__, "--worker", name, *args.overrides],
+                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )  # fmt: skip
+
+        def command(name: str, text: str) -> dict:
+            proc = procs[name]
+            proc.stdin.write(text + "\n")
+            proc.stdin.flush()
+            while True:
+                line = proc.stdout.readline()
+                if not line:
+                    raise SystemExit(f"{name} exited ({proc.wait()}); run it alone: --worker {name}")
+                if line.startswith(_MARK):
+                    return json.loads(line[len(_MARK) :])
+
+        first = {}
+        for name in names:  # one compilation at a time: first-step times do not compete
+            first[name] = command(name, "start")["s"]
+            print(f"  {PROCESS_RUNNERS[name]:<42} first step (compile) {first[name]:6.1f} s", flush=True)
+        times: dict[str, list[Step]] = {n: [] for n in names}
+        for step in range(args.warmup + args.steps):
+            k = step % len(names)
+            for name in names[k:] + names[:k]:
+                r = command(name, "step")
+                if step >= args.warmup:
+                    times[name].append((r["s"], int(r["tokens"])))
+        for name in names:
+            procs[name].stdin.write("quit\n")
+            procs[name].stdin.close()
+            procs[name].wait()
+    rates = print_table("compiled, one fresh process per runner, lockstep", times, "hf", args.chunk)
     for name in names:
-        rs = results[name]
-        step = statistics.median(r["step_s"] for r in rs)
-        ratios = [h["step_s"] / r["step_s"] for r, h in zip(rs, results["hf"])]
-        print(
-            f"  {PROCESS_RUNNERS[name]:<42} {rs[0]['tokens_per_step'] / step:>9,.0f} {step * 1e3:>8.1f} "
-            f"{statistics.median(r['first_step_s'] for r in rs):>13.1f}  "
-            + ", ".join(f"{x:.3f}" for x in ratios)
-        )
-    print(f"load average at the end {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+        print(f"  {name:<12} = {PROCESS_RUNNERS[name]}")
+    print(
+        f"\nportatrain Trainer / HF = {rates['trainer'] / rates['hf']:.3f}; per-block / whole "
+        f"(same bare loop) = {rates['ours-blocks'] / rates['ours-whole']:.3f}; load average at the end "
+        + " ".join(f"{x:.1f}" for x in os.getloadavg())
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--method", default="processes", choices=["processes", "lockstep"])
-    parser.add_argument("--rounds", type=int, default=2, help="processes: rounds over all runners")
     parser.add_argument("--worker", choices=list(PROCESS_RUNNERS), help=argparse.SUPPRESS)
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
     parser.add_argument("--steps", type=int, default=40, help="measured steps per runner")
@@ -210,7 +233,7 @@ def main() -> None:
     args = parser.parse_args()
     overrides = BASE_OVERRIDES + ["data.collator=pad_to_max"] + args.overrides
     if args.worker:
-        print(json.dumps(worker(args.worker, args.steps, args.warmup, overrides)))
+        worker(args.worker, overrides)
         return
     if args.method == "processes":
         run_processes(args, overrides)
