@@ -183,9 +183,11 @@ class LaunchConfig:
     nodes: int = 1
     """Hosts in the job."""
     procs_per_node: int = 1
-    """Training processes per host, one per device: GPUs, Neuron cores or TPU chips per host."""
+    """Training processes per host, one per device: GPUs, logical NeuronCores (64 on a trn2.48xlarge)
+    or TPU devices (one per chip, two per TPU7x chip)."""
     job_name: str | None = None
-    """Scheduler job name; default ``portatrain-<recipe>``."""
+    """Scheduler job name; default ``portatrain-<recipe>``. Kubernetes appends a time stamp and a random
+    suffix: every rendering gets a new, valid name."""
     rdzv_port: int = 29500
     """TCP port of torchrun's c10d rendezvous on the head node."""
     output: str | None = None
@@ -208,6 +210,25 @@ class LaunchConfig:
     """GKE node selector ``cloud.google.com/gke-tpu-accelerator`` (jobset)."""
     tpu_topology: str = "2x2x2"
     """GKE node selector ``cloud.google.com/gke-tpu-topology`` (jobset)."""
+    save_grace: int = 180
+    """Seconds an interrupted job gets to save a checkpoint and stop: SLURM warns this long before the
+    time limit (``--signal=B:USR1@...``), torchrun gives its workers this long after SIGTERM
+    (``--shutdown-timeout``), Kubernetes' ``terminationGracePeriodSeconds`` is this + 30."""
+    max_restarts: int = 3
+    """Kubernetes: restarts of a failed job (JobSet ``maxRestarts``, PyTorchJob ``backoffLimit``), each
+    resuming from the newest checkpoint."""
+    volume_claim: str | None = None
+    """Kubernetes (required): a ReadWriteMany PersistentVolumeClaim mounted on every pod; the run
+    directory lives on it."""
+    volume_mount: str = "/mnt/portatrain"
+    """Where ``volume_claim`` is mounted; the run directory is ``<volume_mount>/runs/<recipe>/<job name>``."""
+    cpu: str = "8"
+    """Kubernetes: CPU request per pod (any request keeps the pod out of BestEffort, evicted first)."""
+    memory: str = "32Gi"
+    """Kubernetes: memory request per pod."""
+    efa: int | None = None
+    """EFA interfaces per pod (``vpc.amazonaws.com/efa``). Default: all 16 of a trn2.48xlarge for a
+    multi-node Trainium job, none otherwise; a multi-node GPU job must set it (0: no EFA)."""
     save_grace: int = 180
     """Seconds a checkpoint save needs: SLURM's early warning before the time limit, torchrun's
     ``--shutdown-timeout``, and (+30 s) Kubernetes' ``terminationGracePeriodSeconds``."""

@@ -92,7 +92,13 @@ from portatrain.parallel import (
 )
 from portatrain.profiling import StepProfiler
 from portatrain.redact import redacted_yaml
-from portatrain.rundir import RunDirLock, RunDirLockedError, RunDirNotWritableError, lock_run_dir
+from portatrain.rundir import (
+    RunDirLock,
+    RunDirLockedError,
+    RunDirNotWritableError,
+    check_shared_run_dir,
+    lock_run_dir,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +148,8 @@ class Trainer:
         # Before anything is built or written: take the run directory (exclusive, and writable), find
         # the checkpoint to resume, refuse another run's directory.
         self._run_dir_lock = self._lock_run_dir()
+        # Every rank sees rank 0's run directory, or all stop here (a first save would hang).
+        check_shared_run_dir(self.run_dir)
         self.resume_from = resolve_resume(
             cfg.checkpoint.resume, self.run_dir / "checkpoints", recipe=cfg.recipe
         )
