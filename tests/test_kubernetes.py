@@ -22,7 +22,6 @@ from typing import Any
 
 import pytest
 import yaml
-from omegaconf import OmegaConf
 
 from portatrain.errors import ConfigError
 from portatrain.launch import render_job
@@ -134,9 +133,6 @@ def test_the_validator_rejects_unknown_fields_and_wrong_types() -> None:
 # -- rendering ----------------------------------------------------------------------------------------
 def _cfg(overrides: list[str], **launch: Any):
     cfg = compose_config(overrides)
-    # LaunchConfig fields this change adds (volume_claim, efa, ...) may not be in the schema yet: set
-    # them on an untyped copy (see portatrain.launch.LAUNCH_DEFAULTS).
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg))
     launch.setdefault("volume_claim", "training-runs")
     for key, value in launch.items():
         cfg.parallel.launch[key] = value
@@ -320,8 +316,6 @@ def test_trainium_ranks_are_logical_neuroncores() -> None:
 
 
 def test_submit_creates_the_job_and_prints_name_run_dir_and_log(tmp_path: Path) -> None:
-    if "volume_claim" not in str(compose_config([]).parallel.launch):
-        pytest.skip("parallel.launch.volume_claim is not in LaunchConfig yet (wiring pending)")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     kubectl = bin_dir / "kubectl"

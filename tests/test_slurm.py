@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
 from portatrain.checkpoint import complete_checkpoints, inspect_checkpoint
 from portatrain.launch import job_overrides
@@ -83,10 +82,8 @@ def _submit(
 
     With ``step_sleep``, the job runs ``tests.slurm_trainer`` (see the module docstring)."""
     cfg = compose_config([*overrides, *shape, f"parallel.launch.rdzv_port={free_port()}"])
-    if launch:  # values the schema may not define yet (see LAUNCH_DEFAULTS): an untyped copy
-        cfg = OmegaConf.create(OmegaConf.to_container(cfg))
-        for key, value in launch.items():
-            cfg.parallel.launch[key] = value
+    for key, value in launch.items():
+        cfg.parallel.launch[key] = value
     script = render_sbatch(cfg, job_overrides(overrides), workdir=str(workdir))
     if step_sleep is not None:
         assert "    -m portatrain " in script

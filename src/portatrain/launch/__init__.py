@@ -41,24 +41,6 @@ class SubmitError(ConfigError):
     """The scheduler's CLI is missing or refused the job (printed by the CLI without a traceback)."""
 
 
-# TODO(lead): these belong in ``portatrain.config.LaunchConfig`` (see the report); until they are
-# there, a config without them gets these values. ``launch_setting`` is the only reader.
-LAUNCH_DEFAULTS: dict[str, Any] = {
-    "save_grace": 180,
-    "max_restarts": 3,
-    "volume_claim": None,
-    "volume_mount": "/mnt/portatrain",
-    "cpu": "8",
-    "memory": "32Gi",
-    "efa": None,
-}
-
-
-def launch_setting(launch: Any, key: str) -> Any:
-    """``parallel.launch.<key>``, or its default while the schema does not define it yet."""
-    return getattr(launch, key, LAUNCH_DEFAULTS[key])
-
-
 @dataclass(frozen=True)
 class RenderedJob:
     text: str
@@ -148,7 +130,7 @@ def launch_problems(cfg: Any) -> list[str]:
 
     launch = cfg.parallel.launch
     found = []
-    grace = launch_setting(launch, "save_grace")
+    grace = launch.save_grace
     if not isinstance(grace, int) or grace < 1:
         found.append(
             f"parallel.launch.save_grace={grace!r} must be a whole number of seconds >= 1 (the time a "
@@ -281,7 +263,6 @@ def _submit_slurm(cfg: Any, overrides: Sequence[str], job: RenderedJob) -> Submi
 
 
 __all__ = [
-    "LAUNCH_DEFAULTS",
     "RenderedJob",
     "SubmitError",
     "SubmittedJob",
@@ -289,7 +270,6 @@ __all__ = [
     "job_name",
     "job_overrides",
     "launch_problems",
-    "launch_setting",
     "override_value",
     "render_command",
     "render_job",

@@ -67,7 +67,6 @@ from portatrain.launch import (
     SubmittedJob,
     describe_job,
     job_overrides,
-    launch_setting,
 )
 
 PYTORCHJOB_RESOURCES = {"cuda": "nvidia.com/gpu", "neuron": "aws.amazon.com/neuron"}
@@ -125,7 +124,7 @@ def is_dns1035(name: str, max_length: int = 63) -> bool:
 
 def run_dir_for(cfg: Any, name: str) -> str:
     """The run directory of job ``name``: on the shared volume, named after the job."""
-    mount = str(launch_setting(cfg.parallel.launch, "volume_mount")).rstrip("/")
+    mount = str(cfg.parallel.launch.volume_mount).rstrip("/")
     return f"{mount}/runs/{cfg.recipe}/{name}"
 
 
@@ -165,13 +164,13 @@ def problems(cfg: Any) -> list[str]:
             f"parallel.launch.scheduler={launch.scheduler} needs a container image: set "
             "parallel.launch.image=REGISTRY/IMAGE:TAG (an image with portatrain installed)"
         )
-    if not launch_setting(launch, "volume_claim"):
+    if not launch.volume_claim:
         found.append(
             "a Kubernetes job needs shared storage for its run directory (checkpoints must outlive a pod "
             "and be written by every pod): set parallel.launch.volume_claim=CLAIM, a ReadWriteMany "
             f"PersistentVolumeClaim in namespace {launch.namespace}"
         )
-    restarts = launch_setting(launch, "max_restarts")
+    restarts = launch.max_restarts
     if not isinstance(restarts, int) or restarts < 0:
         found.append(f"parallel.launch.max_restarts={restarts!r} must be a whole number >= 0")
     if launch.scheduler == "pytorchjob":
@@ -216,13 +215,13 @@ def _pytorchjob_problems(cfg: Any) -> list[str]:
                 f"trn2.48xlarge; set procs_per_node={NEURON_RANKS_PER_INSTANCE} (a whole instance) or a "
                 f"multiple of {NEURON_CORES_PER_CHIP}"
             )
-    elif launch.nodes > 1 and launch_setting(launch, "efa") is None:
+    elif launch.nodes > 1 and launch.efa is None:
         found.append(
             f"a {launch.nodes}-node GPU job needs RDMA for its collectives, or NCCL falls back to TCP: set "
             f"parallel.launch.efa=N (the instance's EFA interfaces, {EFA_RESOURCE}, on EKS), or "
             "parallel.launch.efa=0 on a cluster without EFA"
         )
-    efa = launch_setting(launch, "efa")
+    efa = launch.efa
     if efa is not None and (not isinstance(efa, int) or efa < 0):
         found.append(f"parallel.launch.efa={efa!r} must be a whole number >= 0 (EFA interfaces per pod)")
     return found
@@ -231,7 +230,7 @@ def _pytorchjob_problems(cfg: Any) -> list[str]:
 # -- manifests ----------------------------------------------------------------------------------------
 def _efa(cfg: Any) -> int:
     launch = cfg.parallel.launch
-    efa = launch_setting(launch, "efa")
+    efa = launch.efa
     if efa is not None:
         return int(efa)
     return TRN2_EFA_INTERFACES if cfg.device.type == "neuron" and launch.nodes > 1 else 0
@@ -243,8 +242,8 @@ def _resources(cfg: Any, accelerator: str, count: int) -> dict[str, Any]:
     if cfg.parallel.launch.scheduler == "pytorchjob" and _efa(cfg):
         extended[EFA_RESOURCE] = _efa(cfg)
     requests = {
-        "cpu": str(launch_setting(launch, "cpu")),
-        "memory": str(launch_setting(launch, "memory")),
+        "cpu": str(launch.cpu),
+        "memory": str(launch.memory),
         **extended,
     }
     return {"requests": requests, "limits": dict(extended)}  # extended resources: limits == requests
@@ -260,7 +259,7 @@ def _container(cfg: Any, name: str, script: str, resources: dict[str, Any], env:
         "resources": resources,
         "ports": [{"containerPort": launch.rdzv_port, "name": _PORT_NAMES[launch.scheduler]}],
         "volumeMounts": [
-            {"name": _RUN_VOLUME, "mountPath": str(launch_setting(launch, "volume_mount"))},
+            {"name": _RUN_VOLUME, "mountPath": str(launch.volume_mount)},
             {"name": "dshm", "mountPath": "/dev/shm"},  # data-loader workers share memory
         ],
     }
@@ -270,7 +269,7 @@ def _container(cfg: Any, name: str, script: str, resources: dict[str, Any], env:
 
 
 def _volumes(cfg: Any) -> list[dict[str, Any]]:
-    claim = launch_setting(cfg.parallel.launch, "volume_claim")
+    claim = cfg.parallel.launch.volume_claim
     return [
         {"name": _RUN_VOLUME, "persistentVolumeClaim": {"claimName": str(claim)}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
@@ -285,7 +284,7 @@ def _script(cfg: Any, steps: list[str], torchrun: list[str], overrides: Sequence
 
 
 def _grace(cfg: Any) -> int:
-    return int(launch_setting(cfg.parallel.launch, "save_grace"))
+    return int(cfg.parallel.launch.save_grace)
 
 
 def render_jobset(cfg: Any, overrides: Sequence[str], name: str) -> str:
@@ -344,7 +343,7 @@ def render_jobset(cfg: Any, overrides: Sequence[str], name: str) -> str:
         },
         "spec": {
             "failurePolicy": {
-                "maxRestarts": int(launch_setting(launch, "max_restarts")),
+                "maxRestarts": int(launch.max_restarts),
                 # An evicted pod (preemption, maintenance) restarts everything without using up a restart:
                 # JobSet's own pattern, site/static/examples/failure-policy/host-maintenance-event-model.yaml.
                 "rules": [
@@ -431,7 +430,7 @@ def render_pytorchjob(cfg: Any, overrides: Sequence[str], name: str) -> str:
         "spec": {
             "nprocPerNode": str(launch.procs_per_node),
             "runPolicy": {
-                "backoffLimit": int(launch_setting(launch, "max_restarts")),
+                "backoffLimit": int(launch.max_restarts),
                 "cleanPodPolicy": "None",
             },
             "pytorchReplicaSpecs": specs,
@@ -450,7 +449,7 @@ def _dump(manifest: dict[str, Any], cfg: Any, kind: str) -> str:
     header = (
         f"# portatrain {kind} {name}: {describe_job(cfg)}.\n"
         f"# Run directory: {run_dir_for(cfg, name)} on volume claim "
-        f"{launch_setting(cfg.parallel.launch, 'volume_claim')}; restarts resume from its newest checkpoint.\n"
+        f"{cfg.parallel.launch.volume_claim}; restarts resume from its newest checkpoint.\n"
         "# Rendered by `portatrain render`; submit with `kubectl create -f FILE` (a new name per rendering).\n"
     )
     return header + yaml.dump(manifest, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
@@ -495,5 +494,5 @@ def submit(cfg: Any, job: RenderedJob) -> SubmittedJob:
             f"the cluster rejected the job (`{shlex.join(argv)}` exited with {result.returncode}): "
             f"{result.stderr.strip() or 'no reason given'}"
         )
-    claim = launch_setting(cfg.parallel.launch, "volume_claim")
+    claim = cfg.parallel.launch.volume_claim
     return SubmittedJob(job.name, f"{job.run_dir} (volume claim {claim})", follow_command(cfg, job.name))

@@ -40,7 +40,7 @@ import shlex
 from collections.abc import Sequence
 from typing import Any
 
-from portatrain.launch import describe_job, job_name, launch_setting, torchrun_args
+from portatrain.launch import describe_job, job_name, torchrun_args
 
 _JOB_ID = re.compile(r"^(\d+)(?:;\S+)?$")
 
@@ -54,7 +54,7 @@ def render_sbatch(cfg: Any, overrides: Sequence[str], *, workdir: str | None = N
     """The sbatch script running ``portatrain <overrides>`` on ``parallel.launch.nodes`` hosts."""
     launch = cfg.parallel.launch
     name = job_name(cfg)
-    grace = int(launch_setting(launch, "save_grace"))
+    grace = int(launch.save_grace)
     workdir = workdir or os.getcwd()
     directives = [
         f"--job-name={name}",
