@@ -229,22 +229,6 @@ class LaunchConfig:
     efa: int | None = None
     """EFA interfaces per pod (``vpc.amazonaws.com/efa``). Default: all 16 of a trn2.48xlarge for a
     multi-node Trainium job, none otherwise; a multi-node GPU job must set it (0: no EFA)."""
-    save_grace: int = 180
-    """Seconds a checkpoint save needs: SLURM's early warning before the time limit, torchrun's
-    ``--shutdown-timeout``, and (+30 s) Kubernetes' ``terminationGracePeriodSeconds``."""
-    max_restarts: int = 3
-    """Kubernetes: restarts of a failed job (JobSet ``maxRestarts``, PyTorchJob ``backoffLimit``)."""
-    volume_claim: str | None = None
-    """Kubernetes: the ReadWriteMany PersistentVolumeClaim holding the run directory (required there)."""
-    volume_mount: str = "/mnt/portatrain"
-    """Kubernetes: where ``volume_claim`` is mounted; run directories go under ``<volume_mount>/runs``."""
-    cpu: str = "8"
-    """Kubernetes: CPU request per pod, besides its accelerators."""
-    memory: str = "32Gi"
-    """Kubernetes: memory request per pod."""
-    efa: int | None = None
-    """Kubernetes: EFA interfaces per pod (``vpc.amazonaws.com/efa``); None: all of a trn2.48xlarge's
-    on multi-node Trainium jobs, and an error on multi-node GPU jobs until set (0 = no EFA)."""
 
 
 @dataclass
