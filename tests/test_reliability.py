@@ -636,3 +636,34 @@ def test_torchrun_prints_a_configuration_error_once(tmp_path: Path) -> None:
     assert "exitcode  : 2" in text or "exitcode: 2" in text, text[-3000:]
     assert out.returncode != 0
     assert _leaf_dirs(tmp_path / "runs") == []
+
+
+# -- 7. meaningless values are rejected up front ---------------------------------------------------
+def test_meaningless_checkpoint_and_trainer_values_are_rejected_together() -> None:
+    from portatrain.errors import ConfigError
+    from portatrain.validate import validate
+    from tests.helpers import compose_config
+
+    bad = [
+        "checkpoint.every=-1",
+        "checkpoint.keep=-2",
+        "trainer.eval_every=-5",
+        "trainer.on_nonfinite=ignore",
+    ]
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(TINY + bad))
+    message = str(info.value)
+    for expected in (
+        "checkpoint.every=-1 must be >= 0",
+        "checkpoint.keep=-2 must be >= 0",
+        "trainer.eval_every=-5 must be >= 0",
+        "trainer.on_nonfinite='ignore' is not one of stop, skip_step",
+    ):
+        assert expected in message, message
+    with pytest.raises(
+        ConfigError, match="trainer.eval_batches=0 must be positive when trainer.eval_every=10"
+    ):
+        validate(compose_config(TINY + ["trainer.eval_every=10", "trainer.eval_batches=0"]))
+    validate(
+        compose_config(TINY + ["trainer.eval_every=0", "trainer.eval_batches=0"])
+    )  # evaluation off: fine

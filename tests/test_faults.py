@@ -1,0 +1,110 @@
+"""Fault injection: a process SIGKILLed at a random point of a save or a rotation always resumes from
+a complete, finite checkpoint and then trains exactly as the run that was never killed.
+
+The kill points and the trial runner are in ``tests/fault_injection.py``. One process, 20+ forked
+trials; then the same under ``torchrun --nproc-per-node=2`` (a random rank killed at a random point,
+then a new launch that resumes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from portatrain.checkpoint import complete_checkpoints, inspect_checkpoint
+from tests.fault_injection import RUN
+from tests.helpers import ROOT, step_losses
+
+SCRIPT = ROOT / "tests" / "fault_injection.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+TRIALS = 20
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_points_of_saves_and_rotation_always_resumes_exactly(tmp_path: Path) -> None:
+    out = tmp_path / "trials.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "trials", str(out), str(TRIALS), "11"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    reference = report["reference"]["losses"]
+    assert sorted(reference, key=int) == [str(s) for s in range(1, 7)]
+    points = report["points"]
+    assert points >= 30  # 6 saves, 4 rotations: many distinct places to die
+    trials = report["trials"]
+    assert len(trials) == TRIALS
+    assert sum(t["killed"] for t in trials) == TRIALS  # every chosen point was reached
+    for t in trials:
+        assert "error" not in t, t
+        # Every step_N on disk after the kill was whole (inspect_checkpoint passed on each) ...
+        if t["resumed_from"] is not None:
+            assert t["resumed_from"] in t["complete_before_resume"], t
+            assert t["resumed_from"] == t["complete_before_resume"][-1], t  # ... and the newest was used
+        # ... and the resumed run's losses are the clean run's, bitwise (CPU, fp32).
+        assert t["losses"] == reference, t
+    # The kills landed all over a save: before and after the rename, inside rotation's deletion.
+    assert len({t["kill_at"] for t in trials}) >= TRIALS // 2
+    assert any(t["leftovers_before_resume"] for t in trials)
+
+
+def _torchrun(overrides: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(SCRIPT),
+            *RUN,
+            *overrides,
+        ],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_torchrun_worker_during_a_save_resumes_exactly(tmp_path: Path) -> None:
+    count = tmp_path / "count"
+    clean = tmp_path / "clean"
+    env = {**ENV, "FAULT_KILL_AT": "0", "FAULT_RANK": "0", "FAULT_MARKER": str(tmp_path / "none")}
+    out = _torchrun([f"run_dir={clean}"], tmp_path, {**env, "FAULT_COUNT_FILE": str(count)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    reference = step_losses(clean)
+    assert sorted(reference) == list(range(1, 7))
+    points = {rank: int(Path(f"{count}.rank{rank}").read_text()) for rank in (0, 1)}
+    assert min(points.values()) >= 10
+
+    rng = random.Random(5)
+    for trial in range(2):
+        rank = rng.randint(0, 1)
+        kill_at = rng.randint(1, points[rank])
+        marker = tmp_path / f"killed{trial}"
+        run_dir = tmp_path / f"trial{trial}"
+        env = {**ENV, "FAULT_KILL_AT": str(kill_at), "FAULT_RANK": str(rank), "FAULT_MARKER": str(marker)}
+        # A rank dies; torchrun stops the other one and fails. (A fresh launch resumes: torchrun's own
+        # --max-restarts path is tested in tests/test_resume.py.)
+        killed = _torchrun([f"run_dir={run_dir}"], tmp_path, env)
+        context = f"trial {trial}: rank {rank} killed at point {kill_at}\n"
+        assert killed.returncode != 0 and marker.exists(), context + killed.stderr[-3000:]
+        folder = run_dir / "checkpoints"
+        for path in complete_checkpoints(folder):
+            inspect_checkpoint(path)  # every step_N left is whole
+        resumed = _torchrun([f"run_dir={run_dir}", "checkpoint.resume=auto"], tmp_path, env)
+        assert resumed.returncode == 0, context + resumed.stderr[-3000:]
+        assert step_losses(run_dir) == reference, context
