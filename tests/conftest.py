@@ -3,6 +3,8 @@ tests that import them from ``tests.conftest``)."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,11 @@ from omegaconf import DictConfig
 from tests.helpers import ROOT, TINY, compose_config, run_cli
 
 __all__ = ["ROOT", "TINY", "compose_config", "run_cli", "tiny_cfg"]
+
+# One compile cache for the whole session (inherited by every subprocess and torchrun worker): a
+# graph compiled by one test is reused by the next, as inductor's shared /tmp cache did before
+# compile.cache gave each run its own. Tests of the cache location clear it with monkeypatch.
+os.environ.setdefault("PORTATRAIN_COMPILE_CACHE_DIR", tempfile.mkdtemp(prefix="portatrain-test-compile-cache-"))
 
 
 @pytest.fixture

@@ -62,11 +62,15 @@ def test_a_restart_finds_every_compiled_graph_on_disk(tmp_path: Path) -> None:
     assert second["aot_hit"] + second["fx_hit"] >= first["fx_miss"] // 2, (first, second)
 
 
-def test_cache_location_and_switches(tmp_path: Path) -> None:
+def test_cache_location_and_switches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PORTATRAIN_COMPILE_CACHE_DIR", raising=False)  # the suite sets a shared one
     cpu = CPUAccelerator()
     on = compose_config([*TINY, "compile.enabled=true"]).compile
     assert CompileCache.for_run(on, tmp_path, cpu, is_main=True).directory == tmp_path / "compile_cache"
     shared = compose_config([*TINY, "compile.enabled=true", f"compile.cache_dir={tmp_path / 's'}"]).compile
+    assert CompileCache.for_run(shared, tmp_path, cpu, is_main=True).directory == tmp_path / "s"
+    monkeypatch.setenv("PORTATRAIN_COMPILE_CACHE_DIR", str(tmp_path / "env"))
+    assert CompileCache.for_run(on, tmp_path, cpu, is_main=True).directory == tmp_path / "env"
     assert CompileCache.for_run(shared, tmp_path, cpu, is_main=True).directory == tmp_path / "s"
     for off in (["compile.enabled=false"], ["compile.enabled=true", "compile.cache=false"]):
         assert (

@@ -136,6 +136,11 @@ def compile_blocks(model: nn.Module, accelerator: Accelerator, compile_cfg: Comp
     return model
 
 
+CACHE_DIR_ENV = "PORTATRAIN_COMPILE_CACHE_DIR"
+"""Default for ``compile.cache_dir`` when it is unset: one cache shared by every run that sees it
+(a team's shared location, or a test session)."""
+
+
 class CompileCache:
     """Where compiled graphs persist across restarts of a run, and the portable artifacts file.
 
@@ -170,7 +175,8 @@ class CompileCache:
         """The run's cache, or None when compilation or the cache is off."""
         if not (compile_cfg.enabled and compile_cfg.cache):
             return None
-        directory = Path(compile_cfg.cache_dir) if compile_cfg.cache_dir else Path(run_dir) / "compile_cache"
+        shared = compile_cfg.cache_dir or os.environ.get(CACHE_DIR_ENV)
+        directory = Path(shared) if shared else Path(run_dir) / "compile_cache"
         return cls(directory, vendor_env=accelerator.compile_cache_env(directory), is_main=is_main)
 
     @property

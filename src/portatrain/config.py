@@ -273,8 +273,9 @@ class CompileConfig:
     """Keep compiled graphs for restarts of the run: inductor's FX graph and AOTAutograd caches, PyTorch's
     portable cache artifacts and the vendor compiler's cache, under ``cache_dir`` (``portatrain.compile``)."""
     cache_dir: str | None = None
-    """Where the compile cache lives; default ``<run_dir>/compile_cache``. A shared path lets several
-    runs (same torch version, model and shapes) reuse each other's compilations."""
+    """Where the compile cache lives; default ``$PORTATRAIN_COMPILE_CACHE_DIR`` when set, else
+    ``<run_dir>/compile_cache``. A shared path lets several runs (same torch version, model and
+    shapes) reuse each other's compilations."""
 
 
 @dataclass
