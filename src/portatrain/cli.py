@@ -7,7 +7,6 @@ user must fix derives from :class:`~portatrain.errors.UserError` and is printed 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import warnings

@@ -61,9 +61,7 @@ def redact(value: Any) -> Any:
 
 def _redact(value: Any) -> Any:
     if isinstance(value, Mapping):
-        return {
-            k: (REDACTED if is_secret_key(k) and _is_text(v) else _redact(v)) for k, v in value.items()
-        }
+        return {k: (REDACTED if is_secret_key(k) and _is_text(v) else _redact(v)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_redact(v) for v in value]
     return value
