@@ -222,7 +222,9 @@ def run_parity(
     root = Path(cfg.run_dir) / "parity"
     target_device = str(cfg.device.type)
     reference = trainer_cls(_derived(cfg, "cpu", root / "cpu", reference=True))
-    target = trainer_cls(_derived(cfg, target_device, root / target_device, reference=False))
+    # Each Trainer locks its run directory: device=cpu (a self-check) gets a directory of its own.
+    target_dir = root / (target_device if target_device != "cpu" else "cpu-target")
+    target = trainer_cls(_derived(cfg, target_device, target_dir, reference=False))
     try:
         # The target starts from the reference's weights, whatever its own initialization drew.
         target.model.load_state_dict(reference.model.state_dict())
