@@ -345,3 +345,15 @@ def test_submit_without_kubectl_is_one_clear_error(tmp_path: Path) -> None:
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     assert "portatrain submit: error: " in out.stderr
+
+
+@pytest.mark.parametrize("scheduler", ["pytorchjob", "jobset"])
+def test_secrets_are_read_from_a_kubernetes_secret_never_written(scheduler: str) -> None:
+    base = TRAINIUM if scheduler == "pytorchjob" else TPU
+    manifest, text = _render([*base, "+parallel.launch.env.HF_TOKEN=hf_sekrit_value"])  # CRD-valid
+    assert "hf_sekrit_value" not in text
+    ref = {
+        "name": "HF_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "portatrain-secrets", "key": "HF_TOKEN"}},
+    }
+    assert f"{ref}" in f"{manifest}"

@@ -205,3 +205,36 @@ def test_sbatch_script_trains_on_two_fake_slurm_nodes(tmp_path: Path) -> None:
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     records = [json.loads(line) for line in (tmp_path / "runs" / "debug" / "4242" / "metrics.jsonl").open()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_sbatch_script_never_holds_a_secret_and_submit_hands_it_to_sbatch(tmp_path: Path) -> None:
+    overrides = [
+        *TINY,
+        "+parallel.launch.env.HF_TOKEN=hf_sekrit_value",
+        "+parallel.launch.env.LOG_LEVEL=info",
+    ]
+    script = _render(overrides)
+    assert "hf_sekrit_value" not in script
+    assert 'export HF_TOKEN="${HF_TOKEN:?HF_TOKEN is a secret' in script and "export LOG_LEVEL=info" in script
+    # The rendered line fails fast without the variable and passes it through with it.
+    line = next(x for x in script.splitlines() if x.startswith("export HF_TOKEN="))
+    missing = subprocess.run(
+        ["bash", "-c", line], capture_output=True, text=True, env={"PATH": os.environ["PATH"]}
+    )
+    assert missing.returncode != 0 and "export it in the shell that runs sbatch" in missing.stderr
+    given = subprocess.run(
+        ["bash", "-c", f'{line}; echo "$HF_TOKEN"'], capture_output=True, text=True, env={"HF_TOKEN": "t0k"}
+    )
+    assert given.stdout.strip() == "t0k"
+    # `portatrain submit` runs sbatch with the secret in its environment (a stand-in sbatch records it).
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    sbatch = bin_dir / "sbatch"
+    sbatch.write_text('#!/bin/sh\ncat > /dev/null\necho "$HF_TOKEN" > "$(dirname "$0")/seen"\necho 42\n')
+    sbatch.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    out = run_cli(["submit", *overrides], cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr
+    assert (bin_dir / "seen").read_text().strip() == "hf_sekrit_value"
+    (job_file,) = (tmp_path / "runs").rglob("job.sbatch")
+    assert "hf_sekrit_value" not in job_file.read_text()

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from portatrain.errors import ConfigError
+from portatrain.redact import is_secret_key
 
 
 class SubmitError(ConfigError):
@@ -222,8 +223,10 @@ def submit_command(cfg: Any, overrides: Sequence[str]) -> SubmittedJob:
     return submitted
 
 
-def _run_scheduler(argv: list[str], *, text_input: str | None = None) -> subprocess.CompletedProcess:
-    result = subprocess.run(argv, input=text_input, text=True, capture_output=True)
+def _run_scheduler(
+    argv: list[str], *, text_input: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    result = subprocess.run(argv, input=text_input, text=True, capture_output=True, env=env)
     if result.returncode != 0:
         from portatrain.launch.slurm import scheduler_reason
 
@@ -239,13 +242,17 @@ def _submit_slurm(cfg: Any, overrides: Sequence[str], job: RenderedJob) -> Submi
     from portatrain.launch.slurm import log_file, parse_job_id
 
     argv = ["sbatch", "--parsable"]
+    # Secrets in parallel.launch.env are not in the script (see slurm._export_line): sbatch hands its
+    # own environment to the job, so they travel there, in this process's environment only.
+    secrets = {k: str(v) for k, v in cfg.parallel.launch.env.items() if is_secret_key(k)}
+    env = {**os.environ, **secrets} if secrets else None
     if cfg.parallel.launch.output:
         path = Path(cfg.parallel.launch.output)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(job.text)
-        result = _run_scheduler([*argv, str(path)])
+        result = _run_scheduler([*argv, str(path)], env=env)
     else:  # sbatch reads the script from stdin; the copy in the run directory is the record
-        result = _run_scheduler(argv, text_input=job.text)
+        result = _run_scheduler(argv, text_input=job.text, env=env)
     try:
         job_id = parse_job_id(result.stdout)
     except ValueError as exc:

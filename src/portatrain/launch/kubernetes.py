@@ -68,6 +68,7 @@ from portatrain.launch import (
     describe_job,
     job_overrides,
 )
+from portatrain.redact import is_secret_key
 
 PYTORCHJOB_RESOURCES = {"cuda": "nvidia.com/gpu", "neuron": "aws.amazon.com/neuron"}
 """Device type -> the extended resource a PyTorchJob pod requests."""
@@ -264,8 +265,21 @@ def _container(cfg: Any, name: str, script: str, resources: dict[str, Any], env:
         ],
     }
     if all_env:
-        container["env"] = [{"name": k, "value": v} for k, v in all_env.items()]
+        container["env"] = [_env_var(k, v) for k, v in all_env.items()]
     return container
+
+
+SECRET_NAME = "portatrain-secrets"
+"""Kubernetes Secret the rendered jobs read secret environment variables from (``HF_TOKEN``...):
+``kubectl create secret generic portatrain-secrets --from-literal=HF_TOKEN=...``."""
+
+
+def _env_var(key: str, value: str) -> dict[str, Any]:
+    """A container env entry; a secret's value is never written into the manifest but read from
+    :data:`SECRET_NAME` (``secretKeyRef``)."""
+    if is_secret_key(key):
+        return {"name": key, "valueFrom": {"secretKeyRef": {"name": SECRET_NAME, "key": key}}}
+    return {"name": key, "value": value}
 
 
 def _volumes(cfg: Any) -> list[dict[str, Any]]:

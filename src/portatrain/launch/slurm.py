@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from portatrain.launch import describe_job, job_name, torchrun_args
+from portatrain.redact import is_secret_key
 
 _JOB_ID = re.compile(r"^(\d+)(?:;\S+)?$")
 
@@ -98,7 +99,7 @@ def render_sbatch(cfg: Any, overrides: Sequence[str], *, workdir: str | None = N
         "",
         f"cd {shlex.quote(workdir)}",
         *launch.setup,
-        *(f"export {key}={shlex.quote(str(value))}" for key, value in launch.env.items()),
+        *(_export_line(key, value) for key, value in launch.env.items()),
         "",
         "# The first host of the allocation runs the c10d rendezvous; the job id names the rendezvous",
         "# (torchrun's TORCHELASTIC_RUN_ID) and with it the run directory, identical on every rank and",
@@ -152,3 +153,15 @@ def scheduler_reason(stderr: str) -> str:
     lines = [line for line in lines if line]
     # "Batch job submission failed: <reason>" is the line that matters; keep any others for context.
     return "; ".join(lines) or "no reason given"
+
+
+def _export_line(key: str, value: object) -> str:
+    """``export KEY=value``; a secret (``HF_TOKEN``, ``*_KEY``, ``*PASSWORD*``...) is never written into
+    the script: it comes from the environment sbatch was called in (sbatch passes it on, and
+    ``portatrain submit`` puts it there), and the job stops at once if it is missing."""
+    if is_secret_key(key):
+        return (
+            f'export {key}="${{{key}:?{key} is a secret and is not written into this script: export it in '
+            f'the shell that runs sbatch}}"'
+        )
+    return f"export {key}={shlex.quote(str(value))}"
