@@ -136,3 +136,12 @@ def test_cli_prints_the_counts(tmp_path, capsys):
         == 0
     )
     assert "prepared 20 documents" in capsys.readouterr().out
+
+
+def test_progress_in_a_log_is_plain_lines_not_bar_frames(tmp_path, capsys):
+    # pytest's captured stderr is not a terminal: what a SLURM log or `> file` gets.
+    prepare(["builtin"], tmp_path / "c", num_documents=300, shard_chars=5000, workers=1, progress=True)
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = [line for line in err.splitlines() if line.startswith("prepare c: shard ")]
+    assert len(lines) >= 2 and lines[-1].endswith(" tokens")

@@ -114,13 +114,25 @@ def prepare(
         _write_atomic(settings_file, _json_bytes(settings))
 
     workers = workers or os.cpu_count() or 1
-    bar = tqdm(desc=f"prepare {out.name}", unit="doc", disable=not progress, dynamic_ncols=True)
+    # A live bar on a terminal; in a log file (SLURM output, CI, `> file`) one plain line per shard
+    # instead of a carriage-return frame per update.
+    interactive = sys.stderr.isatty()
+    bar = tqdm(
+        desc=f"prepare {out.name}", unit="doc", disable=not (progress and interactive), dynamic_ncols=True
+    )
     shards: list[dict[str, Any]] = []
 
     def finished(meta: dict[str, Any]) -> None:
         shards.append(meta)
         bar.update(meta["documents"])
-        bar.set_postfix(tokens=f"{sum(s['tokens'] for s in shards):,}")
+        tokens = sum(s["tokens"] for s in shards)
+        bar.set_postfix(tokens=f"{tokens:,}")
+        if progress and not interactive:
+            documents = sum(s["documents"] for s in shards)
+            print(
+                f"prepare {out.name}: shard {len(shards)}, {documents:,} documents, {tokens:,} tokens",
+                file=sys.stderr,
+            )
 
     payloads = iter_payloads(
         sources, weights=weights, seed=seed, text_field=text_field, format=format, num_documents=num_documents
