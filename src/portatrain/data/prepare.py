@@ -170,7 +170,9 @@ def _run(chunks: Any, job: tuple[str, str, str, str], workers: int, finished: An
             finished(meta or _write_shard(job, index, chunk))
     else:
         # At most 2 chunks per worker in flight: reading never runs ahead of tokenizing by more.
-        context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+        # forkserver, not fork: the parent may already run threads (JAX, tokenizer pools) whose locks
+        # a forked child would inherit held; the server is a clean process that forks the workers.
+        context = multiprocessing.get_context("forkserver" if sys.platform == "linux" else "spawn")
         with context.Pool(workers, initializer=_init_worker) as pool:
             pending: deque[Any] = deque()
             for index, chunk in enumerate(chunks):
