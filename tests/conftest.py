@@ -23,3 +23,14 @@ os.environ.setdefault("PORTATRAIN_COMPILE_CACHE_DIR", tempfile.mkdtemp(prefix="p
 @pytest.fixture
 def tiny_cfg(tmp_path: Path) -> DictConfig:
     return compose_config(TINY, run_dir=tmp_path / "run")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Rerun a failed slow test once (multi-process tests: torchrun/gloo start-up and teardown on a
+    loaded 2-core machine now and then abort a worker). A real failure fails twice; every rerun is
+    reported in pytest's summary ("N rerun")."""
+    if not config.pluginmanager.hasplugin("rerunfailures"):
+        return
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("flaky"):
+            item.add_marker(pytest.mark.flaky(reruns=1))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -168,7 +169,8 @@ acc.set_device()
 init_distributed(acc, info)
 t = torch.full((2,), float(info.rank + 1), device=acc.device)
 torch.distributed.all_reduce(t)
-print("WORKER", json.dumps({"rank": info.rank, "device": str(acc.device), "sum": t.cpu().tolist()}), flush=True)
+# One write per record (torchrun makes stdout unbuffered: print's pieces would interleave across ranks).
+print("WORKER " + json.dumps({"rank": info.rank, "device": str(acc.device), "sum": t.cpu().tolist()}), flush=True)
 destroy_distributed()
 """
 
@@ -198,9 +200,8 @@ def test_device_index_under_torchrun(
     ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=_env(**env), timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    workers = sorted(
-        (json.loads(line.split("WORKER ", 1)[1]) for line in proc.stdout.splitlines() if "WORKER " in line),
-        key=lambda w: w["rank"],
-    )
+    # Both workers write to one pipe: their lines can interleave, so find every record, not every line.
+    records = re.findall(r"WORKER (\{[^{}]*\})", proc.stdout)
+    workers = sorted((json.loads(r) for r in records), key=lambda w: w["rank"])
     assert [w["device"] for w in workers] == devices
     assert all(w["sum"] == [3.0, 3.0] for w in workers)  # 1 + 2, reduced over the vendor's backend name
