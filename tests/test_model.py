@@ -249,3 +249,24 @@ def test_build_model_applies_tokenizer_and_config_overrides():
         model_args(ModelConfig(vocab_size=100), vocab_size=258)
     with pytest.raises(ValueError, match="choose one of debug, 1b, 3b, 8b, 70b"):
         model_args(ModelConfig(flavor="7b"))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_grouped_query_attention_equals_explicitly_repeated_heads(masked):
+    """``causal_attention``: SDPA's ``enable_gqa`` (no mask) and the repeated-heads path (mask) both
+    equal plain SDPA over explicitly repeated k/v heads, forward and backward."""
+    from portatrain.models.attention import causal_attention
+
+    torch.manual_seed(0)
+    b, h, h_kv, s, d = 2, 6, 2, 16, 8
+    q, k, v = (torch.randn(b, n, s, d, dtype=torch.float64, requires_grad=True) for n in (h, h_kv, h_kv))
+    mask = torch.ones(s, s, dtype=torch.bool).tril().expand(b, 1, s, s) if masked else None
+    got = causal_attention(q, k, v, mask)
+    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    # Query head i reads kv head i // (h / h_kv).
+    k_rep, v_rep = (x.repeat_interleave(h // h_kv, dim=1) for x in (k, v))
+    want = F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True)
+    want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
+    torch.testing.assert_close(got, want)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w)

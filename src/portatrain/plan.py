@@ -53,6 +53,7 @@ def estimate_for_config(cfg: Config, *, world_size: int | None = None) -> dict[s
         activation_checkpointing=par.activation_checkpointing,
         activation_dtype_bytes=2 if mixed else 4,
         loss_chunk_size=cfg.trainer.loss_chunk_size if cfg.trainer.loss == "chunked" else None,
+        attn_mask=cfg.data.collator == "packing" and cfg.data.packing_attention == "document",
     )
 
 

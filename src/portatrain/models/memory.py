@@ -37,14 +37,17 @@ saved tensor                               elements   saved by
 block input                                h          input RMSNorm
 normalized input                           h          q/k/v projections (one tensor for all three)
 q after RoPE                               q          SDPA
-k, v after the GQA repeat                  2q         SDPA (heads are repeated before the call)
+k, v (repeated with a mask, see below)     2q         SDPA
 attention output                           q          SDPA and ``o_proj`` (a view of the same data)
 attention residual sum                     h          post-attention RMSNorm
 normalized MLP input                       h          gate/up projections
 gate, up, silu(gate), silu(gate) * up      4f         SiLU, product, ``down_proj``
 =========================================  =========  ===========================================
 
-That is ``4h + 4q + 4f`` elements (``8h + 4f`` for Llama) plus two fp32 RMSNorm statistics and ``a`` fp32 softmax
+With an attention mask (packing with ``data.packing_attention=document``) k/v heads are repeated
+before SDPA and saved repeated (``2q``); without one, SDPA's grouped-query path saves them as they
+are (``2 * kv``, ``kv = n_kv_heads * head_dim``; ``portatrain.models.attention``). With a mask that
+is ``4h + 4q + 4f`` elements (``8h + 4f`` for Llama) plus two fp32 RMSNorm statistics and ``a`` fp32 softmax
 log-sum-exps per token (a fused attention kernel is assumed: no ``S x S`` score matrix is kept).
 Compare Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
 ``s*b*h*(34 + 5*a*s/h)`` bytes per layer for GPT in fp16 with dropout: that count's MLP has
@@ -115,6 +118,7 @@ def estimate_memory(
     activation_checkpointing: str = "none",
     activation_dtype_bytes: int | None = None,
     loss_chunk_size: int | None = None,
+    attn_mask: bool = True,
 ) -> dict[str, int]:
     """Estimated bytes per device for training ``args`` with one micro-batch in flight.
 
@@ -133,6 +137,8 @@ def estimate_memory(
             (the compute dtype, e.g. 2 under bf16 mixed precision); default ``param_dtype_bytes``.
         loss_chunk_size: ``trainer.loss=chunked``'s positions per chunk (``portatrain.losses``);
             None for the plain loss over full logits.
+        attn_mask: the batches carry an attention mask (packing with document masks), so k/v heads
+            are saved repeated; False: SDPA's grouped-query path, k/v saved unrepeated.
 
     Returns:
         ``params``, ``grads``, ``optimizer``, ``fsdp_buffers``, ``activations`` and ``total``, in bytes.
@@ -180,7 +186,9 @@ def estimate_memory(
     h, f, a = args.dim, args.ffn_dim, args.n_heads
     q = args.n_heads * args.head_dim
     kv = args.n_kv_heads * args.head_dim
-    per_token_layer = (4 * h + 4 * q + 4 * f) * act_bytes + (a + 2) * 4  # the table + fp32 lse and norm stats
+    saved_kv = 2 * q if attn_mask else 2 * kv  # k, v as SDPA saves them
+    # The table + fp32 log-sum-exps and norm statistics.
+    per_token_layer = (4 * h + 2 * q + saved_kv + 4 * f) * act_bytes + (a + 2) * 4
     # Per token: what the blocks keep until backward, and what one block's recomputation holds
     # meanwhile (checkpointing only; it happens after the output head's buffers are freed).
     recompute = per_token_layer

@@ -41,6 +41,7 @@ from torch import nn
 
 # The three small ops kernels may replace (``kernels.enabled``); modules call them through slots.
 from portatrain.kernels.reference import rmsnorm, rope, swiglu
+from portatrain.models.attention import causal_attention
 
 
 @dataclass(frozen=True)
@@ -320,30 +321,16 @@ class RMSNorm(nn.Module):
         return self.rmsnorm_fn(x, self.weight, self.eps)
 
 
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """``[B, n_kv_heads, S, D] -> [B, n_kv_heads * n_rep, S, D]``, each kv head repeated ``n_rep`` times
-    consecutively (query head ``h`` reads kv head ``h // n_rep``, as in Meta's and HF's code)."""
-    if n_rep == 1:
-        return x
-    b, n_kv, s, d = x.shape
-    return x[:, :, None].expand(b, n_kv, n_rep, s, d).reshape(b, n_kv * n_rep, s, d)
-
-
 def _trunc_normal_(weight: torch.Tensor, std: float) -> None:
     # Cut at 3 std: nn.init's default cut-off is an absolute +-2, a no-op at std 0.02.
     nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
 class Attention(nn.Module):
-    """Grouped-query causal self-attention through ``F.scaled_dot_product_attention``.
+    """Grouped-query causal self-attention through ``F.scaled_dot_product_attention`` only.
 
-    GQA is done by repeating k/v heads explicitly (:func:`repeat_kv`) rather than with SDPA's
-    ``enable_gqa=True``. Both give identical results and speed on CPU in torch 2.13, but
-    ``enable_gqa`` is a newer flag that not every SDPA backend honours: CUDA's fused kernels accept
-    it only without an explicit mask, so a packed batch (block-diagonal ``attn_mask``) would fall
-    back to the math kernel and materialize ``S x S`` scores; XLA/Neuron lowerings differ again.
-    Repeated heads work with every backend and mask. The cost is ``n_heads/n_kv_heads`` times
-    larger k/v activations, small next to the MLP's.
+    See ``portatrain.models.attention`` for how k/v heads are shared: SDPA's ``enable_gqa`` without a
+    mask, explicitly repeated heads with the packing collator's mask.
     """
 
     def __init__(self, args: LlamaArgs) -> None:
@@ -370,13 +357,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         q, k = self.rope_fn(q, cos, sin), self.rope_fn(k, cos, sin)
-        n_rep = q.shape[1] // k.shape[1]
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        if attn_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            # Boolean, True = may attend; the caller's mask must already include causality.
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        out = causal_attention(q, k, v, attn_mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 

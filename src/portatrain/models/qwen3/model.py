@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from portatrain.kernels.reference import rmsnorm, rope, swiglu
+from portatrain.models.attention import causal_attention
 
 _POSITIVE_FIELDS = (
     "dim",
@@ -236,15 +237,6 @@ class RMSNorm(nn.Module):
         return self.rmsnorm_fn(x, self.weight, self.eps)
 
 
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """``[B, n_kv_heads, S, D] -> [B, n_kv_heads * n_rep, S, D]``, each kv head repeated ``n_rep``
-    times consecutively (query head ``h`` reads kv head ``h // n_rep``, as in HF's code)."""
-    if n_rep == 1:
-        return x
-    b, n_kv, s, d = x.shape
-    return x[:, :, None].expand(b, n_kv, n_rep, s, d).reshape(b, n_kv * n_rep, s, d)
-
-
 def _trunc_normal_(weight: torch.Tensor, std: float) -> None:
     # Cut at 3 std: nn.init's default cut-off is an absolute +-2, a no-op at std 0.02.
     nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
@@ -253,8 +245,8 @@ def _trunc_normal_(weight: torch.Tensor, std: float) -> None:
 class Attention(nn.Module):
     """Grouped-query causal self-attention with per-head q/k RMSNorm, through SDPA only.
 
-    k/v heads are repeated explicitly (:func:`repeat_kv`) rather than with SDPA's ``enable_gqa``,
-    which not every backend honours with an explicit (packing) mask; see Llama's ``Attention``.
+    k/v heads are shared as ``portatrain.models.attention`` describes (SDPA's ``enable_gqa`` without a
+    mask, repeated heads with one).
     """
 
     def __init__(self, args: Qwen3Args) -> None:
@@ -287,14 +279,8 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(batch, seq_len, -1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         q, k = self.rope_fn(q, cos, sin), self.rope_fn(k, cos, sin)  # after the norms, as in Qwen 3
-        n_rep = q.shape[1] // k.shape[1]
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         # SDPA scales by 1/sqrt(q.shape[-1]) = 1/sqrt(head_dim): the decoupled width, as HF does.
-        if attn_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            # Boolean, True = may attend; the caller's mask must already include causality.
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        out = causal_attention(q, k, v, attn_mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 

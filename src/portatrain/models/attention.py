@@ -1,0 +1,44 @@
+"""Grouped-query causal attention through ``F.scaled_dot_product_attention`` only, shared by the families.
+
+Without a mask (rows of one document from position 0: ``data.collator=pad_to_max`` or ``bucket``),
+SDPA's own grouped-query support (``enable_gqa=True``, PyTorch >= 2.5) reads each k/v head for its
+``n_heads / n_kv_heads`` query heads, so the repeated k/v tensors are never materialized, nor
+summed back in the backward; measured 3% faster training steps than explicit repetition at the
+debug size (fp32, CPU; README, "Compiled against Hugging Face"). Hugging Face's SDPA path makes the
+same choice. Where a backend has no fused grouped-query kernel, SDPA's composite implementation
+repeats the heads itself, so results never depend on the backend.
+
+With a mask (the packing collator's block-diagonal causal mask), k/v heads are repeated explicitly
+(:func:`repeat_kv`): CUDA's fused kernels accept ``enable_gqa`` only without an explicit mask and
+would otherwise fall back to the math kernel, materializing ``S x S`` scores.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """``[B, n_kv_heads, S, D] -> [B, n_kv_heads * n_rep, S, D]``, each kv head repeated ``n_rep`` times
+    consecutively (query head ``h`` reads kv head ``h // n_rep``, as in Meta's and HF's code)."""
+    if n_rep == 1:
+        return x
+    b, n_kv, s, d = x.shape
+    return x[:, :, None].expand(b, n_kv, n_rep, s, d).reshape(b, n_kv * n_rep, s, d)
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Attention of ``q [B, H, S, D]`` over ``k, v [B, H_kv, S, D]`` (``H`` a multiple of ``H_kv``).
+
+    ``attn_mask``: ``None`` for plain causal attention, else a boolean ``[B, 1, S, S]`` mask, ``True``
+    where a query may attend to a key, which must already include causality. Scaled by
+    ``1/sqrt(D)`` (SDPA's default). Returns ``[B, H, S, D]``.
+    """
+    if attn_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
