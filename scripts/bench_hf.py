@@ -28,14 +28,16 @@ processes -- the driver asks each for one step in turn, order rotated -- so a bu
 other jobs hits all alike (runners in sequence were useless here: the load average fell from 7 to
 3 during one such run and moved the ratios by 2x). Runners:
 
-- ``trainer``: the Trainer's own ``fit()`` loop (per-block compile; the embedding, final norm,
-  output head and loss eager; logging every 5 steps), each step timed up to its ``on_step_end``;
+- ``trainer``: the Trainer's own ``fit()`` loop (per-block compile, the default: the embedding,
+  final norm, output head and loss eager; logging every 5 steps), each step timed up to its
+  ``on_step_end``;
+- ``trainer-model``: the same with ``compile.granularity=model`` (the whole model one graph);
 - ``hf``: ``torch.compile(LlamaForCausalLM)`` (whole model) in the bare loop of ``bench_overhead.py``;
 - ``ours-blocks`` / ``ours-whole``: portatrain's model in the same bare loop, compiled per block /
   whole (``model.compile()``): they separate the Trainer's own cost from the compile granularity's.
 
     OMP_NUM_THREADS=1 python scripts/bench_hf.py                     # processes (~6 min)
-    OMP_NUM_THREADS=1 python scripts/bench_hf.py --steps 20
+    OMP_NUM_THREADS=1 python scripts/bench_hf.py --steps 20 --runners trainer trainer-model
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,6 +65,7 @@ from bench_overhead import (  # noqa: E402  (a sibling script, not a package)
     compose,
     portatrain_model,
     print_table,
+    rate,
     run_lockstep,
 )
 
@@ -112,7 +116,8 @@ def check_same_loss(loops: dict[str, LoopRunner], batch_size: int, seq_len: int,
 # One process per runner: what a user sees
 # ---------------------------------------------------------------------------------------------
 PROCESS_RUNNERS = {
-    "trainer": "portatrain Trainer (fit)",
+    "trainer": "portatrain Trainer (fit), per block",
+    "trainer-model": "portatrain Trainer (fit), whole model",
     "hf": "HF compiled (whole model), bare loop",
     "ours-blocks": "portatrain model, per-block, bare loop",
     "ours-whole": "portatrain model, whole, bare loop",
@@ -133,10 +138,14 @@ def worker(name: str, overrides: list[str]) -> None:
     step per ``step`` command and replies with its time; ``quit`` ends it.
     """
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = compose(overrides + ["compile.enabled=true", "compile.cache=false"], Path(tmp) / "run")
+        granularity = "model" if name == "trainer-model" else "block"
+        cfg = compose(
+            overrides + ["compile.enabled=true", "compile.cache=false", f"compile.granularity={granularity}"],
+            Path(tmp) / "run",
+        )
         sys.stdin.readline()  # "start": the driver starts runners one at a time
         start = time.perf_counter()
-        if name == "trainer":
+        if name.startswith("trainer"):
             from omegaconf import open_dict
 
             from portatrain.trainer import Trainer
@@ -172,51 +181,83 @@ def worker(name: str, overrides: list[str]) -> None:
 
 
 def run_processes(args: argparse.Namespace, overrides: list[str]) -> None:
-    """Every runner in its own fresh process, with its own empty inductor cache; steps in lockstep
-    across the processes (one step of each in turn, order rotated), so load hits all alike."""
-    names = list(PROCESS_RUNNERS)
+    """Every runner in ``--replicas`` fresh processes; steps in lockstep across all of them (one step
+    of each in turn, order rotated), so load hits all alike.
+
+    Replicas, because one process's speed carries a per-process offset that no amount of steps
+    averages away (where its buffers land, which core it gets): two runs of one process per runner
+    here gave the same runner 1.087x and 0.952x HF, each with steady per-chunk ratios. A runner's
+    rate is the median over its replicas, shown with each replica's ratio. The first replica compiles
+    with an empty inductor cache (its first step is the cold start a user sees); the others share
+    that runner's cache, so they compile in seconds -- the compiled code, hence the steady state, is
+    the same.
+    """
+    names = ["hf"] + [n for n in args.runners if n != "hf"]
     print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; overrides: {overrides}")
     with tempfile.TemporaryDirectory() as caches:
         procs = {}
         for name in names:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(caches) / name)}
-            procs[name] = subprocess.Popen(
-                [sys.executable, __file__, "--worker", name, *args.overrides],
-                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-            )  # fmt: skip
+            for replica in range(args.replicas):
+                procs[name, replica] = subprocess.Popen(
+                    [sys.executable, __file__, "--worker", name, *args.overrides],
+                    env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                )  # fmt: skip
 
-        def command(name: str, text: str) -> dict:
-            proc = procs[name]
+        def command(key: tuple[str, int], text: str) -> dict:
+            proc = procs[key]
             proc.stdin.write(text + "\n")
             proc.stdin.flush()
             while True:
                 line = proc.stdout.readline()
                 if not line:
-                    raise SystemExit(f"{name} exited ({proc.wait()}); run it alone: --worker {name}")
+                    raise SystemExit(f"{key[0]} exited ({proc.wait()}); run it alone: --worker {key[0]}")
                 if line.startswith(_MARK):
                     return json.loads(line[len(_MARK) :])
 
         first = {}
-        for name in names:  # one compilation at a time: first-step times do not compete
-            first[name] = command(name, "start")["s"]
-            print(f"  {PROCESS_RUNNERS[name]:<42} first step (compile) {first[name]:6.1f} s", flush=True)
-        times: dict[str, list[Step]] = {n: [] for n in names}
-        for step in range(args.warmup + args.steps):
-            k = step % len(names)
-            for name in names[k:] + names[:k]:
-                r = command(name, "step")
-                if step >= args.warmup:
-                    times[name].append((r["s"], int(r["tokens"])))
+        for key in procs:  # one compilation at a time: first-step times do not compete
+            first[key] = command(key, "start")["s"]
         for name in names:
-            procs[name].stdin.write("quit\n")
-            procs[name].stdin.close()
-            procs[name].wait()
-    rates = print_table("compiled, one fresh process per runner, lockstep", times, "hf", args.chunk)
+            warm = [f"{first[name, r]:.1f}" for r in range(1, args.replicas)]
+            print(
+                f"  {PROCESS_RUNNERS[name]:<40} first step {first[name, 0]:6.1f} s (empty cache)"
+                + (f"; replicas, warm cache: {' '.join(warm)} s" if warm else ""),
+                flush=True,
+            )
+        keys = list(procs)
+        times: dict[tuple[str, int], list[Step]] = {key: [] for key in keys}
+        for step in range(args.warmup + args.steps):
+            k = step % len(keys)
+            for key in keys[k:] + keys[:k]:
+                r = command(key, "step")
+                if step >= args.warmup:
+                    times[key].append((r["s"], int(r["tokens"])))
+        for proc in procs.values():
+            proc.stdin.write("quit\n")
+            proc.stdin.close()
+            proc.wait()
+    rates = {name: statistics.median(rate(times[name, r]) for r in range(args.replicas)) for name in names}
+    print(f"\ncompiled, {args.replicas} fresh process(es) per runner, lockstep, {args.steps} steps each")
+    print(f"  {'runner':<14} {'tokens/s':>9} {'step ms':>8} {'ratio':>6}  ratio of each replica")
     for name in names:
-        print(f"  {name:<12} = {PROCESS_RUNNERS[name]}")
+        replicas = " ".join(f"{rate(times[name, r]) / rates['hf']:.3f}" for r in range(args.replicas))
+        step_ms = 1e3 * statistics.median(s for r in range(args.replicas) for s, _ in times[name, r])
+        print(
+            f"  {name:<14} {rates[name]:>9,.0f} {step_ms:>8.2f} {rates[name] / rates['hf']:>6.3f}  {replicas}"
+        )
+    for name in names:
+        print(f"  {name:<14} = {PROCESS_RUNNERS[name]}")
+    pairs = [
+        ("portatrain Trainer per block / HF", "trainer", "hf"),
+        ("portatrain Trainer whole model / HF", "trainer-model", "hf"),
+        ("per-block / whole (same bare loop)", "ours-blocks", "ours-whole"),
+    ]
+    summary = [f"{label} = {rates[a] / rates[b]:.3f}" for label, a, b in pairs if a in rates and b in rates]
     print(
-        f"\nportatrain Trainer / HF = {rates['trainer'] / rates['hf']:.3f}; per-block / whole "
-        f"(same bare loop) = {rates['ours-blocks'] / rates['ours-whole']:.3f}; load average at the end "
+        "\n"
+        + "; ".join(summary)
+        + "; load average at the end "
         + " ".join(f"{x:.1f}" for x in os.getloadavg())
     )
 
@@ -226,6 +267,16 @@ def main() -> None:
     parser.add_argument("--method", default="processes", choices=["processes", "lockstep"])
     parser.add_argument("--worker", choices=list(PROCESS_RUNNERS), help=argparse.SUPPRESS)
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    parser.add_argument(
+        "--runners",
+        nargs="+",
+        default=list(PROCESS_RUNNERS),
+        choices=list(PROCESS_RUNNERS),
+        help="with --method processes: which runners (hf is the baseline and always runs)",
+    )
+    parser.add_argument(
+        "--replicas", type=int, default=3, help="with --method processes: processes per runner"
+    )
     parser.add_argument("--steps", type=int, default=40, help="measured steps per runner")
     parser.add_argument("--warmup", type=int, default=3, help="steps dropped first (compilation)")
     parser.add_argument("--chunk", type=int, default=10, help="steps per chunk in the spread column")

@@ -17,13 +17,19 @@ from omegaconf import OmegaConf
 
 from portatrain.accelerators.cpu import CPUAccelerator
 from portatrain.accelerators.tpu import TPUAccelerator
-from portatrain.compile import RecompileError, compile_blocks, compile_options, warmup_batches
+from portatrain.compile import (
+    RecompileError,
+    compile_blocks,
+    compile_granularity,
+    compile_options,
+    warmup_batches,
+)
 from portatrain.data.loader import batch_shapes, build_collator
 from portatrain.errors import UserError
 from portatrain.models import build_model
 from portatrain.trainer import Trainer
 from tests.conftest import TINY, compose_config
-from tests.helpers import fit, read_metrics
+from tests.helpers import fit, make_trainer, read_metrics
 
 BUCKETS = [
     "data.collator=bucket",
@@ -176,6 +182,41 @@ def test_inductor_blocks_train_like_eager(tmp_path: Path) -> None:
     """The CPU default backend: same losses as eager over a few steps, one graph per bucket."""
     overrides = BUCKETS + ["data.buckets=[32,64]"]
     compiled = _fit(overrides + WARMUP, tmp_path / "inductor")
+    assert [r["graphs"] for r in compiled[0]["compile_warmup"]] == [1, 1]
+    assert compiled[-1]["compile_recompiles"] == 0
+    eager = _fit(overrides, tmp_path / "eager")
+    assert _losses(compiled) == pytest.approx(_losses(eager), abs=1e-5)
+
+
+def test_whole_model_granularity_compiles_the_model_not_its_blocks(tmp_path: Path) -> None:
+    trainer = make_trainer(["compile.enabled=true", "compile.granularity=model"], tmp_path)
+    try:
+        assert trainer.model._compiled_call_impl is not None
+        assert all(block._compiled_call_impl is None for block in trainer.model.layers.values())
+        names = {name for name, _ in trainer.model.named_parameters()}
+        assert "layers.0.self_attn.q_proj.weight" in names  # in place: no _orig_mod. prefix
+    finally:
+        trainer.close()
+
+
+def test_whole_model_granularity_is_refused_for_a_sharded_model_and_unknown_values_are_named() -> None:
+    from portatrain.errors import ConfigError
+    from portatrain.validate import validate
+
+    cfg = OmegaConf.create({"granularity": "model"})
+    assert compile_granularity(cfg, sharded=False) == "model"
+    with pytest.raises(ConfigError, match="use compile.granularity=block"):
+        compile_granularity(cfg, sharded=True)
+    with pytest.raises(ConfigError, match="compile.granularity='layer' is not one of block, model"):
+        validate(compose_config(TINY + ["compile.granularity=layer"]))
+
+
+@pytest.mark.slow
+def test_whole_model_compile_trains_like_eager_with_one_graph_per_bucket(tmp_path: Path) -> None:
+    """``compile.granularity=model`` (the model one graph): the losses of eager, one graph per bucket
+    at warm-up, no recompilation after it."""
+    overrides = BUCKETS + ["data.buckets=[32,64]"]
+    compiled = _fit(overrides + WARMUP + ["compile.granularity=model"], tmp_path / "model")
     assert [r["graphs"] for r in compiled[0]["compile_warmup"]] == [1, 1]
     assert compiled[-1]["compile_recompiles"] == 0
     eager = _fit(overrides, tmp_path / "eager")

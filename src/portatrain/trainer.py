@@ -62,7 +62,14 @@ from portatrain.checkpoint import (
     resolve_resume,
 )
 from portatrain.checkpoint.common import broadcast_from_main
-from portatrain.compile import CompileCache, CompileMonitor, block_compiler, warmup_batches
+from portatrain.compile import (
+    CompileCache,
+    CompileMonitor,
+    block_compiler,
+    compile_granularity,
+    compile_model,
+    warmup_batches,
+)
 from portatrain.config import Config
 from portatrain.data.collate import with_attention_mask
 from portatrain.data.loader import batch_shapes, build_collator, build_dataloader
@@ -251,15 +258,22 @@ class Trainer:
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Apply TP -> activation checkpointing -> compile -> FSDP2 to the meta model, per the model
-        family's plan (``spec.parallelize``) and ``cfg.parallel`` (one process: checkpointing/compile only)."""
-        return parallelize_model(
+        family's plan (``spec.parallelize``) and ``cfg.parallel`` (one process: checkpointing/compile
+        only). With ``compile.granularity=model`` the whole model is compiled last instead of each
+        block (``portatrain.compile``)."""
+        dims = self.parallel_dims
+        granularity = compile_granularity(self.cfg.compile, sharded=dims.fsdp_enabled or dims.tp_enabled)
+        model = parallelize_model(
             model,
             self.spec.parallelize,
-            self.parallel_dims,
+            dims,
             self.cfg.parallel,
-            compile_block=block_compiler(self.cfg.compile, self.accelerator),
+            compile_block=block_compiler(self.cfg.compile, self.accelerator, granularity),
             compute_dtype=self.dtype,
         )
+        if self.cfg.compile.enabled and granularity == "model":
+            compile_model(model, self.cfg.compile, self.accelerator)
+        return model
 
     def compute_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Sum of next-token cross-entropy over positions whose label is not -100."""
