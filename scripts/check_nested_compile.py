@@ -15,9 +15,10 @@ parameter gradients of four variants against eager:
 
 The workaround row is correct here, but is not adopted either: it turns off buffer reuse for the
 whole graph (more memory), and marking each block instance's ``forward`` -- needed so the model
-class itself is left alone -- lost the blocks' parameter gradients in a separate try. Run this again
-on a newer torch before offering nested regions (pytorch/pytorch#193960 fixes a reused region
-overwriting a saved input during backward).
+class itself is left alone -- lost the blocks' parameter gradients in a separate try. Not the bug
+pytorch/pytorch#193960 fixes (subgraph lowerings inheriting the outer graph's donated-buffer
+indices): patching that fix into torch 2.13 left the gradients as wrong. Run this again on a newer
+torch before offering nested regions.
 """
 
 from __future__ import annotations
