@@ -31,7 +31,8 @@ other jobs hits all alike (runners in sequence were useless here: the load avera
 - ``trainer``: the Trainer's own ``fit()`` loop (per-block compile, the default: the embedding,
   final norm, output head and loss eager; logging every 5 steps), each step timed up to its
   ``on_step_end``;
-- ``trainer-model``: the same with ``compile.granularity=model`` (the whole model one graph);
+- ``trainer-model`` / ``trainer-nested``: the same with ``compile.granularity=model`` (the whole
+  model one graph) / ``nested`` (one graph, each block a nested region compiled once);
 - ``hf``: ``torch.compile(LlamaForCausalLM)`` (whole model) in the bare loop of ``bench_overhead.py``;
 - ``ours-blocks`` / ``ours-whole``: portatrain's model in the same bare loop, compiled per block /
   whole (``model.compile()``): they separate the Trainer's own cost from the compile granularity's.
@@ -118,6 +119,7 @@ def check_same_loss(loops: dict[str, LoopRunner], batch_size: int, seq_len: int,
 PROCESS_RUNNERS = {
     "trainer": "portatrain Trainer (fit), per block",
     "trainer-model": "portatrain Trainer (fit), whole model",
+    "trainer-nested": "portatrain Trainer (fit), nested regions",
     "hf": "HF compiled (whole model), bare loop",
     "ours-blocks": "portatrain model, per-block, bare loop",
     "ours-whole": "portatrain model, whole, bare loop",
@@ -138,7 +140,7 @@ def worker(name: str, overrides: list[str]) -> None:
     step per ``step`` command and replies with its time; ``quit`` ends it.
     """
     with tempfile.TemporaryDirectory() as tmp:
-        granularity = "model" if name == "trainer-model" else "block"
+        granularity = {"trainer-model": "model", "trainer-nested": "nested"}.get(name, "block")
         cfg = compose(
             overrides + ["compile.enabled=true", "compile.cache=false", f"compile.granularity={granularity}"],
             Path(tmp) / "run",
@@ -251,6 +253,7 @@ def run_processes(args: argparse.Namespace, overrides: list[str]) -> None:
     pairs = [
         ("portatrain Trainer per block / HF", "trainer", "hf"),
         ("portatrain Trainer whole model / HF", "trainer-model", "hf"),
+        ("portatrain Trainer nested / HF", "trainer-nested", "hf"),
         ("per-block / whole (same bare loop)", "ours-blocks", "ours-whole"),
     ]
     summary = [f"{label} = {rates[a] / rates[b]:.3f}" for label, a, b in pairs if a in rates and b in rates]

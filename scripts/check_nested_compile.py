@@ -1,24 +1,25 @@
 """Does hierarchical compilation (``torch.compiler.nested_compile_region``) give correct gradients here?
 
-Why portatrain does not offer it: compiling the whole model with each transformer block marked as
-a nested compile region would keep per-block compilation's cold start (one block traced and compiled
-once, reused per layer) with whole-model steps. On torch 2.13 (CPU, inductor) the reused regions'
-gradients came out wrong. This script checks, on the debug Llama and one random batch, the
-parameter gradients of four variants against eager:
+``compile.granularity=nested`` compiles the whole model with each transformer block a nested
+compile region: one block traced and compiled once and reused per layer, so the first step stays
+near per-block compilation's while steps run like the whole model's. On torch 2.13 (CPU, inductor)
+the reused regions' gradients came out wrong unless inductor's buffer reuse is off, which is what
+portatrain does for that graph. This script checks, on the debug Llama and one random batch, the
+parameter gradients of five variants against eager:
 
 - ``whole``: ``model.compile()``, no regions (the control);
 - ``nested``: ``TransformerBlock.forward`` marked as a nested region, ``model.compile()``;
-- ``nested, allow_buffer_reuse=False``: the same with inductor's buffer reuse off (a workaround);
-- ``nested, aot_eager``: the regions traced but not compiled by inductor.
+- ``nested, allow_buffer_reuse=False``: the same with inductor's buffer reuse off;
+- ``nested, aot_eager``: the regions traced but not compiled by inductor;
+- ``portatrain granularity=nested``: what the Trainer does (``portatrain.compile.nested_region`` on
+  each block, then ``compile_model``).
 
     OMP_NUM_THREADS=1 python scripts/check_nested_compile.py
 
-The workaround row is correct here, but is not adopted either: it turns off buffer reuse for the
-whole graph (more memory), and marking each block instance's ``forward`` -- needed so the model
-class itself is left alone -- lost the blocks' parameter gradients in a separate try. Not the bug
-pytorch/pytorch#193960 fixes (subgraph lowerings inheriting the outer graph's donated-buffer
-indices): patching that fix into torch 2.13 left the gradients as wrong. Run this again on a newer
-torch before offering nested regions.
+Not the bug pytorch/pytorch#193960 fixes (subgraph lowerings inheriting the outer graph's
+donated-buffer indices): patching that fix into torch 2.13 left the gradients as wrong. Marking each
+block instance's bound ``forward`` (rather than the class) lost the blocks' gradients altogether.
+Run this on a new torch: once ``nested`` reads ok, the buffer-reuse workaround can go.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ import copy
 import torch
 import torch._dynamo
 
+from portatrain.accelerators.cpu import CPUAccelerator
+from portatrain.compile import compile_model, nested_region
+from portatrain.config import CompileConfig
 from portatrain.models.llama import model as llama
 
 
@@ -50,14 +54,20 @@ def main() -> None:
         ("nested", True, "inductor", {}),
         ("nested, allow_buffer_reuse=False", True, "inductor", {"allow_buffer_reuse": False}),
         ("nested, aot_eager", True, "aot_eager", {}),
+        ("portatrain granularity=nested", None, "inductor", {}),
     ]
     for name, nested, backend, options in variants:
         torch._dynamo.reset()
-        llama.TransformerBlock.forward = (
-            torch.compiler.nested_compile_region(plain_forward) if nested else plain_forward
-        )
         model = copy.deepcopy(reference)
-        model.compile(backend=backend, fullgraph=True, **({"options": options} if options else {}))
+        if nested is None:  # portatrain's own path
+            for block in model.layers.values():
+                nested_region(block)
+            compile_model(model, CompileConfig(enabled=True), CPUAccelerator(), "nested")
+        else:
+            llama.TransformerBlock.forward = (
+                torch.compiler.nested_compile_region(plain_forward) if nested else plain_forward
+            )
+            model.compile(backend=backend, fullgraph=True, **({"options": options} if options else {}))
         try:
             got = gradients(model, tokens)
         finally:

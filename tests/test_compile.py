@@ -188,35 +188,50 @@ def test_inductor_blocks_train_like_eager(tmp_path: Path) -> None:
     assert _losses(compiled) == pytest.approx(_losses(eager), abs=1e-5)
 
 
-def test_whole_model_granularity_compiles_the_model_not_its_blocks(tmp_path: Path) -> None:
-    trainer = make_trainer(["compile.enabled=true", "compile.granularity=model"], tmp_path)
+@pytest.mark.parametrize("granularity", ["model", "nested"])
+def test_whole_model_granularities_compile_the_model_not_its_blocks(tmp_path: Path, granularity: str) -> None:
+    from portatrain.models.llama.model import TransformerBlock
+
+    trainer = make_trainer(["compile.enabled=true", f"compile.granularity={granularity}"], tmp_path)
     try:
         assert trainer.model._compiled_call_impl is not None
-        assert all(block._compiled_call_impl is None for block in trainer.model.layers.values())
+        blocks = list(trainer.model.layers.values())
+        assert all(block._compiled_call_impl is None for block in blocks)
         names = {name for name, _ in trainer.model.named_parameters()}
         assert "layers.0.self_attn.q_proj.weight" in names  # in place: no _orig_mod. prefix
+        assert all(isinstance(block, TransformerBlock) for block in blocks)
+        # nested: every block shares one marked subclass (one region to reuse); model: plain blocks.
+        assert {type(block) for block in blocks} == (
+            {TransformerBlock} if granularity == "model" else {type(blocks[0])}
+        )
+        assert (type(blocks[0]) is TransformerBlock) == (granularity == "model")
     finally:
         trainer.close()
 
 
-def test_whole_model_granularity_is_refused_for_a_sharded_model_and_unknown_values_are_named() -> None:
+def test_whole_model_granularities_are_refused_for_a_sharded_model_and_unknown_values_are_named() -> None:
     from portatrain.errors import ConfigError
     from portatrain.validate import validate
 
-    cfg = OmegaConf.create({"granularity": "model"})
-    assert compile_granularity(cfg, sharded=False) == "model"
-    with pytest.raises(ConfigError, match="use compile.granularity=block"):
-        compile_granularity(cfg, sharded=True)
-    with pytest.raises(ConfigError, match="compile.granularity='layer' is not one of block, model"):
+    for granularity in ("model", "nested"):
+        cfg = OmegaConf.create({"granularity": granularity})
+        assert compile_granularity(cfg, sharded=False) == granularity
+        with pytest.raises(ConfigError, match=f"granularity={granularity} .* use compile.granularity=block"):
+            compile_granularity(cfg, sharded=True)
+    with pytest.raises(ConfigError, match="compile.granularity='layer' is not one of block, model, nested"):
         validate(compose_config(TINY + ["compile.granularity=layer"]))
 
 
 @pytest.mark.slow
-def test_whole_model_compile_trains_like_eager_with_one_graph_per_bucket(tmp_path: Path) -> None:
-    """``compile.granularity=model`` (the model one graph): the losses of eager, one graph per bucket
-    at warm-up, no recompilation after it."""
+@pytest.mark.parametrize("granularity", ["model", "nested"])
+def test_whole_model_compile_trains_like_eager_with_one_graph_per_bucket(
+    tmp_path: Path, granularity: str
+) -> None:
+    """``compile.granularity=model|nested`` (the model one graph): the losses of eager, one graph per
+    bucket at warm-up, no recompilation after it. For ``nested`` this is also the check on torch's
+    reused regions: their wrong gradients (``scripts/check_nested_compile.py``) would show here."""
     overrides = BUCKETS + ["data.buckets=[32,64]"]
-    compiled = _fit(overrides + WARMUP + ["compile.granularity=model"], tmp_path / "model")
+    compiled = _fit(overrides + WARMUP + [f"compile.granularity={granularity}"], tmp_path / granularity)
     assert [r["graphs"] for r in compiled[0]["compile_warmup"]] == [1, 1]
     assert compiled[-1]["compile_recompiles"] == 0
     eager = _fit(overrides, tmp_path / "eager")

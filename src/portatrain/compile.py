@@ -13,15 +13,19 @@ this module makes that list pay off and proves it held:
   does not grow with depth, while the embedding, the final norm, the output head and the loss stay
   eager. ``model`` compiles the whole model as one graph (:func:`compile_model`): the stem and head
   are compiled too and one autograd function replaces one per block (5–6% faster steps at the debug
-  size on CPU), but every layer is traced and compiled, so the first step grows with depth; only
-  for one unsharded model (FSDP2's and TP's per-block hooks and DTensors stay outside graphs).
-  Hierarchical compilation (``torch.compiler.nested_compile_region``: one whole graph with each
-  block compiled once and reused) would combine both, but in torch 2.13 inductor's reused regions
-  produced wrong gradients here (``scripts/check_nested_compile.py``), so it is not offered.
+  size on CPU), but every layer is traced and compiled, so the first step grows with depth.
+  ``nested`` is hierarchical compilation: the whole model one graph, each block a
+  ``torch.compiler.nested_compile_region`` (:func:`nested_region`) traced and compiled once and
+  reused per layer -- steps between per-block's and the whole model's (measured), a first step near
+  per-block's. It is experimental in torch: in 2.13, inductor's reused regions computed wrong
+  gradients unless its buffer reuse is off (``scripts/check_nested_compile.py``), so
+  :func:`compile_model` turns that off for this graph. ``model`` and ``nested`` need one unsharded
+  model (FSDP2's and TP's per-block hooks and DTensors stay outside graphs).
 - :func:`block_compiler` -- the ``compile_block`` callable a model family's ``parallelize.py``
   receives (``None`` when compilation is off or the granularity is ``model``): it compiles one
-  block in place. Models never import this module. :func:`compile_blocks` applies it to every
-  block of ``model.layers`` (for ``Trainer.parallelize`` overrides).
+  block in place (``block``) or marks it as a nested region (``nested``). Models never import this
+  module. :func:`compile_blocks` applies it to every block of ``model.layers`` (for
+  ``Trainer.parallelize`` overrides).
 - :func:`warmup_batches` -- one synthetic batch per shape the loader can emit, built by the loader's
   own collate function (handed over by the trainer) so its keys, dtypes and masks are exactly those
   of real batches.
@@ -73,7 +77,7 @@ _FAIL_ON_RECOMPILE = "fail_on_recompile"
 ON_RECOMPILE = ("error", "warn")
 """Allowed values of ``compile.on_recompile``."""
 
-GRANULARITIES = ("block", "model")
+GRANULARITIES = ("block", "model", "nested")
 """Allowed values of ``compile.granularity``."""
 
 
@@ -113,13 +117,14 @@ def compile_granularity(compile_cfg: CompileConfig, *, sharded: bool) -> str:
     """``compile.granularity`` (``"block"`` or ``"model"``), checked against the run's layout.
 
     ``sharded``: FSDP2 or tensor parallel is applied to the model. Their per-block hooks and DTensors
-    stay outside compiled graphs only when each block is its own graph, so ``model`` is refused
-    there with the fix.
+    stay outside compiled graphs only when each block is its own graph, so ``model`` and ``nested``
+    are refused there with the fix.
     """
-    if compile_cfg.granularity == "model" and sharded:
+    if compile_cfg.granularity != "block" and sharded:
         raise ConfigError(
-            "compile.granularity=model compiles one unsharded model, but this run shards it (FSDP2 "
-            "over data-parallel ranks or tensor parallel, parallel.*); use compile.granularity=block"
+            f"compile.granularity={compile_cfg.granularity} compiles one unsharded model, but this run "
+            "shards it (FSDP2 over data-parallel ranks or tensor parallel, parallel.*); use "
+            "compile.granularity=block"
         )
     return compile_cfg.granularity
 
@@ -127,8 +132,9 @@ def compile_granularity(compile_cfg: CompileConfig, *, sharded: bool) -> str:
 def block_compiler(
     compile_cfg: CompileConfig, accelerator: Accelerator, granularity: str = "block"
 ) -> Callable[[nn.Module], nn.Module] | None:
-    """The ``compile_block`` a parallelizer receives: compiles one block in place; None when
-    compilation is off or the whole model is compiled instead (granularity ``model``).
+    """The ``compile_block`` a parallelizer receives: compiles one block in place (granularity
+    ``block``) or marks it as a nested region (``nested``); None when compilation is off or the whole
+    model is compiled with plain blocks (``model``).
 
     In place (``Module.compile``) rather than wrapping, so parameter names -- and with them
     checkpoints and Hugging Face weight maps -- do not gain an ``_orig_mod.`` prefix. ``fullgraph``:
@@ -138,6 +144,8 @@ def block_compiler(
     """
     if not compile_cfg.enabled or granularity == "model":
         return None
+    if granularity == "nested":
+        return nested_region
     return _block_compiler(*compile_options(compile_cfg, accelerator))
 
 
@@ -150,15 +158,49 @@ def _block_compiler(backend: str, dynamic: bool | None) -> Callable[[nn.Module],
     return compile_block
 
 
-def compile_model(model: nn.Module, compile_cfg: CompileConfig, accelerator: Accelerator) -> nn.Module:
-    """Compile the whole ``model`` in place as one graph (granularity ``model``); return it.
+# One subclass per block class whose forward is the marked region: dynamo reuses a region's compiled
+# subgraph across calls of the same marked function, so every block must call the same object.
+_NESTED_CLASSES: dict[type, type] = {}
+
+
+def nested_region(block: nn.Module) -> nn.Module:
+    """Mark ``block`` as a nested compile region, in place; return it. A no-op in eager mode.
+
+    The block's class is swapped for a subclass whose ``forward`` is
+    ``torch.compiler.nested_compile_region(forward)``, as FSDP2's ``fully_shard`` swaps classes:
+    ``isinstance``, parameter names and the original class stay as they were, and every block of a
+    class shares the one marked function. (Marking each instance's bound ``forward`` instead lost the
+    blocks' gradients in torch 2.13.) Inside a compiled model dynamo then traces the first block once
+    and reuses its subgraph for every block with matching inputs.
+    """
+    cls = type(block)
+    if cls not in _NESTED_CLASSES.values():
+        marked = _NESTED_CLASSES.get(cls)
+        if marked is None:
+            attrs = {
+                "forward": torch.compiler.nested_compile_region(cls.forward),
+                "__module__": cls.__module__,
+            }
+            marked = _NESTED_CLASSES[cls] = type(cls.__name__, (cls,), attrs)
+        block.__class__ = marked
+    return block
+
+
+def compile_model(
+    model: nn.Module, compile_cfg: CompileConfig, accelerator: Accelerator, granularity: str = "model"
+) -> nn.Module:
+    """Compile the whole ``model`` in place as one graph (granularity ``model`` or ``nested``).
 
     ``fullgraph``: a graph break would leave parts eager and multiply the graphs per shape; it fails
-    at the first step instead, naming the break. In place, so parameter names stay unprefixed.
+    at the first step instead, naming the break. In place, so parameter names stay unprefixed. With
+    ``nested`` (blocks marked by :func:`nested_region`), inductor's buffer reuse is off for this graph:
+    with it on, torch 2.13 computed wrong gradients for reused regions
+    (``scripts/check_nested_compile.py``); buffers are still freed when dead.
     """
     backend, dynamic = compile_options(compile_cfg, accelerator)
-    logger.info("compiling the whole model with backend=%s dynamic=%s", backend, dynamic)
-    model.compile(backend=backend, dynamic=dynamic, fullgraph=True)
+    logger.info("compiling the whole model (%s) with backend=%s dynamic=%s", granularity, backend, dynamic)
+    options = {"allow_buffer_reuse": False} if granularity == "nested" and backend == "inductor" else None
+    model.compile(backend=backend, dynamic=dynamic, fullgraph=True, options=options)
     return model
 
 

@@ -261,7 +261,10 @@ class CompileConfig:
     """``block``: one graph per transformer block (identical blocks share it; the embedding, head and
     loss stay eager); the cold start does not grow with depth; works with FSDP2, TP and every
     backend. ``model``: the whole model as one graph: 5–6% faster steps at the debug size on CPU, a
-    first step that grows with depth; one unsharded model only (no FSDP2, no TP)."""
+    first step that grows with depth. ``nested``: the whole model as one graph with each block
+    compiled once and reused (``torch.compiler.nested_compile_region``): steps between ``block``'s and
+    ``model``'s, a first step near ``block``'s; experimental in torch (``portatrain.compile``). ``model`` and ``nested``:
+    one unsharded model only (no FSDP2, no TP)."""
     backend: str | None = None
     """Override the adapter's compile backend (``inductor`` on cpu/cuda, the vendor's on tpu/neuron);
     e.g. ``eager`` or ``aot_eager`` to debug dynamo without a code generator."""

@@ -259,8 +259,8 @@ class Trainer:
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Apply TP -> activation checkpointing -> compile -> FSDP2 to the meta model, per the model
         family's plan (``spec.parallelize``) and ``cfg.parallel`` (one process: checkpointing/compile
-        only). With ``compile.granularity=model`` the whole model is compiled last instead of each
-        block (``portatrain.compile``)."""
+        only). With ``compile.granularity=model`` or ``nested`` the whole model is compiled last
+        (``portatrain.compile``)."""
         dims = self.parallel_dims
         granularity = compile_granularity(self.cfg.compile, sharded=dims.fsdp_enabled or dims.tp_enabled)
         model = parallelize_model(
@@ -271,8 +271,8 @@ class Trainer:
             compile_block=block_compiler(self.cfg.compile, self.accelerator, granularity),
             compute_dtype=self.dtype,
         )
-        if self.cfg.compile.enabled and granularity == "model":
-            compile_model(model, self.cfg.compile, self.accelerator)
+        if self.cfg.compile.enabled and granularity != "block":
+            compile_model(model, self.cfg.compile, self.accelerator, granularity)
         return model
 
     def compute_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
