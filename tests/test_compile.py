@@ -214,10 +214,13 @@ def test_whole_model_granularities_are_refused_for_a_sharded_model_and_unknown_v
     from portatrain.validate import validate
 
     for granularity in ("model", "nested"):
-        cfg = OmegaConf.create({"granularity": granularity})
+        cfg = OmegaConf.create({"enabled": True, "granularity": granularity})
         assert compile_granularity(cfg, sharded=False) == granularity
         with pytest.raises(ConfigError, match=f"granularity={granularity} .* use compile.granularity=block"):
             compile_granularity(cfg, sharded=True)
+        # With compilation off the setting is moot: a sharded run is not refused for it.
+        cfg.enabled = False
+        assert compile_granularity(cfg, sharded=True) == granularity
     with pytest.raises(ConfigError, match="compile.granularity='layer' is not one of block, model, nested"):
         validate(compose_config(TINY + ["compile.granularity=layer"]))
 

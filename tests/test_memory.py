@@ -70,3 +70,20 @@ def test_report_lists_every_component():
     for key in est:
         assert key in report
     assert f"{est['total'] / 1024**3:.2f}" in report
+
+
+def test_without_a_mask_kv_heads_are_counted_unrepeated():
+    """SDPA's grouped-query path (no mask) saves k/v with ``n_kv_heads``; the packing mask's path saves
+    them repeated to ``n_heads``: per token and layer ``2 * (q - kv)`` elements apart. The dry run
+    picks the path from the data config (``has_attention_mask``)."""
+    from portatrain.data.loader import has_attention_mask
+    from tests.conftest import compose_config
+
+    masked, plain = estimate(attn_mask=True), estimate(attn_mask=False)
+    q, kv = ARGS_8B.n_heads * ARGS_8B.head_dim, ARGS_8B.n_kv_heads * ARGS_8B.head_dim
+    assert masked["activations"] - plain["activations"] == ARGS_8B.n_layers * 2048 * 2 * (q - kv) * 4
+    assert has_attention_mask(compose_config(["data.collator=packing"]).data)
+    assert not has_attention_mask(
+        compose_config(["data.collator=packing", "data.packing_attention=causal"]).data
+    )
+    assert not has_attention_mask(compose_config(["data.collator=bucket"]).data)

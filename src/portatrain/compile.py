@@ -118,9 +118,9 @@ def compile_granularity(compile_cfg: CompileConfig, *, sharded: bool) -> str:
 
     ``sharded``: FSDP2 or tensor parallel is applied to the model. Their per-block hooks and DTensors
     stay outside compiled graphs only when each block is its own graph, so ``model`` and ``nested``
-    are refused there with the fix.
+    are refused there with the fix (when compilation is on; off, the setting is moot).
     """
-    if compile_cfg.granularity != "block" and sharded:
+    if compile_cfg.enabled and compile_cfg.granularity != "block" and sharded:
         raise ConfigError(
             f"compile.granularity={compile_cfg.granularity} compiles one unsharded model, but this run "
             "shards it (FSDP2 over data-parallel ranks or tensor parallel, parallel.*); use "

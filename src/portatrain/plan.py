@@ -10,6 +10,7 @@ import torch
 
 from portatrain.accelerators import ACCELERATORS, resolve_accelerator
 from portatrain.config import Config
+from portatrain.data.loader import has_attention_mask
 from portatrain.dtypes import dtype_from_name
 from portatrain.models import ARCH_OVERRIDES, build_model, get_spec, model_args
 from portatrain.models.memory import format_memory_report
@@ -53,7 +54,7 @@ def estimate_for_config(cfg: Config, *, world_size: int | None = None) -> dict[s
         activation_checkpointing=par.activation_checkpointing,
         activation_dtype_bytes=2 if mixed else 4,
         loss_chunk_size=cfg.trainer.loss_chunk_size if cfg.trainer.loss == "chunked" else None,
-        attn_mask=cfg.data.collator == "packing" and cfg.data.packing_attention == "document",
+        attn_mask=has_attention_mask(cfg.data),
     )
 
 

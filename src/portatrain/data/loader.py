@@ -74,12 +74,17 @@ def prepare_examples(data_cfg: Any, documents: Sequence[Sequence[int]]) -> tuple
     return [[docs[i] for i in row] for row in rows], [sum(lengths[i] for i in row) for row in rows]
 
 
+def has_attention_mask(data_cfg: Any) -> bool:
+    """Whether batches carry document ids, hence a block-diagonal attention mask: packed rows with
+    ``data.packing_attention=document``. Every other batch is plain causal attention."""
+    return data_cfg.collator == "packing" and getattr(data_cfg, "packing_attention", "document") == "document"
+
+
 def build_collator(data_cfg: Any, *, pad_id: int) -> PadCollator | PackingCollator:
     _check_collator(data_cfg.collator)
     batch = int(data_cfg.batch_size)
     if data_cfg.collator == "packing":
-        causal = getattr(data_cfg, "packing_attention", "document") == "causal"
-        return PackingCollator(int(data_cfg.seq_len), batch, pad_id, causal=causal)
+        return PackingCollator(int(data_cfg.seq_len), batch, pad_id, causal=not has_attention_mask(data_cfg))
     buckets = list(data_cfg.buckets) if data_cfg.collator == "bucket" else [int(data_cfg.seq_len)]
     return PadCollator(buckets, batch, pad_id)
 
