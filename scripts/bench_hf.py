@@ -37,7 +37,7 @@ other jobs hits all alike (runners in sequence were useless here: the load avera
 - ``ours-blocks`` / ``ours-whole``: portatrain's model in the same bare loop, compiled per block /
   whole (``model.compile()``): they separate the Trainer's own cost from the compile granularity's.
 
-    OMP_NUM_THREADS=1 python scripts/bench_hf.py                     # processes (~6 min)
+    OMP_NUM_THREADS=1 python scripts/bench_hf.py                     # processes (~10 min)
     OMP_NUM_THREADS=1 python scripts/bench_hf.py --steps 20 --runners trainer trainer-model
 """
 
@@ -285,6 +285,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=10, help="steps per chunk in the spread column")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
     args = parser.parse_args()
+    if args.replicas < 1:
+        parser.error(f"--replicas {args.replicas}: give 1 or more processes per runner")
     overrides = BASE_OVERRIDES + ["data.collator=pad_to_max"] + args.overrides
     if args.worker:
         worker(args.worker, overrides)
