@@ -44,7 +44,7 @@ def test_inconsistent_sizes_are_one_error_listing_each_problem() -> None:
     message = str(info.value)
     assert "model.head_dim=64: not an option of the llama3 family" in message  # Llama derives it
     assert "dim(500) must be divisible by n_heads(8)" in message
-    assert "n_heads(8) must be a multiple of n_kv_heads(3)" in message and "[1, 2, 4, 8]" in message
+    assert "model.n_kv_heads=3 must divide model.n_heads=8" in message and "[1, 2, 4, 8]" in message
     with pytest.raises(ConfigError, match=r"n_layers=0 must be positive"):
         validate(compose_config(["model.n_layers=0"]))
 

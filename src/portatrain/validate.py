@@ -19,7 +19,7 @@ from portatrain.dtypes import dtype_problem
 from portatrain.errors import ConfigError
 from portatrain.kernels import config_problems as kernel_problems
 from portatrain.losses import loss_problems
-from portatrain.models import model_args, model_problems
+from portatrain.models import get_spec, model_args, model_problems
 from portatrain.optim import optim_problems
 from portatrain.parallel.activation_checkpoint import AC_MODES
 from portatrain.parallel.parallel_dims import expected_world_size, parallel_problems
@@ -79,6 +79,8 @@ def config_problems(cfg: Config) -> list[str]:
         row_key=row_key,
         model_name=f"{cfg.model.name} flavour {cfg.model.flavor!r}",
     )
+    if args is not None:  # the layouts the family's parallel plan cannot apply
+        problems += get_spec(cfg.model.name).parallel_problems(cfg.parallel, args)
     return problems
 
 

@@ -19,10 +19,11 @@ from torch import nn
 from portatrain.config import ModelConfig
 from portatrain.errors import ConfigError
 from portatrain.models.llama import LLAMA3
+from portatrain.models.olmo2 import OLMO2
 from portatrain.models.qwen3 import QWEN3
 from portatrain.models.spec import ModelSpec
 
-SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA3, QWEN3)}
+SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA3, QWEN3, OLMO2)}
 """Model family name (``model.name``) -> its spec. One entry per family."""
 
 ARCH_OVERRIDES: tuple[str, ...] = (

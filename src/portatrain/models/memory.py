@@ -1,10 +1,10 @@
 """Per-device training memory estimate for a dense decoder-only transformer, for the dry run and planning.
 
 Generic over the model family: :func:`estimate_memory` reads only the architecture attributes every
-portatrain family's arguments carry (``dim``, ``n_layers``, ``n_heads``, ``n_kv_heads``,
-``head_dim``, ``ffn_dim``, ``vocab_size``, ``block_params``, ``num_params()``; see
-:class:`TransformerShape`). A family whose blocks save other tensors (e.g. Qwen 3's q/k norms)
-wraps it in its own estimate and registers that in its ``ModelSpec.estimate_memory``.
+family built from ``portatrain.models.common`` carries (``dim``, ``n_layers``, ``n_heads``,
+``n_kv_heads``, ``head_dim``, ``ffn_dim``, ``vocab_size``, ``qk_norm``, ``block_params``,
+``num_params()``; see :class:`TransformerShape`). A family whose blocks save other tensors wraps it in
+its own estimate and registers that in its ``ModelSpec.estimate_memory``.
 
 :func:`estimate_memory` counts, in bytes per device:
 
@@ -49,6 +49,16 @@ before SDPA and saved repeated (``2q``); without one, SDPA's grouped-query path 
 are (``2 * kv``, ``kv = n_kv_heads * head_dim``; ``portatrain.models.attention``). With a mask that
 is ``4h + 4q + 4f`` elements (``8h + 4f`` for Llama) plus two fp32 RMSNorm statistics and ``a`` fp32 softmax
 log-sum-exps per token (a fused attention kernel is assumed: no ``S x S`` score matrix is kept).
+Where the norms sit does not change the count: a post-norm block (OLMo 2) saves the block input
+(read by q/k/v), the attention output (its norm's input), the residual sum (read by gate/up) and the
+MLP output (its norm's input) -- ``4h`` as the pre-norm rows above.
+
+q/k norms (``qk_norm`` ``head``, Qwen 3, or ``proj``, OLMo 2) add, per token and layer, their inputs --
+the q and k projection outputs, ``q + kv`` elements -- and their fp32 inverse RMS: one per head
+(``n_heads + n_kv_heads``) or one per projection (2). RoPE after the norms saves nothing beyond its
+(buffer) tables. Checkpointing recomputes them (pointwise work), so with ``full`` or ``selective``
+the extra lives only in the one block being recomputed.
+
 Compare Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
 ``s*b*h*(34 + 5*a*s/h)`` bytes per layer for GPT in fp16 with dropout: that count's MLP has
 ``f = 4h`` and no gate, and its ``5*a*s/h`` term is the materialized softmax and dropout that fused
@@ -92,6 +102,7 @@ class TransformerShape(Protocol):
     n_heads: int
     n_kv_heads: int
     vocab_size: int
+    qk_norm: str
 
     @property
     def head_dim(self) -> int: ...
@@ -189,6 +200,7 @@ def estimate_memory(
     saved_kv = 2 * q if attn_mask else 2 * kv  # k, v as SDPA saves them
     # The table + fp32 log-sum-exps and norm statistics.
     per_token_layer = (4 * h + 2 * q + saved_kv + 4 * f) * act_bytes + (a + 2) * 4
+    per_token_layer += qk_norm_bytes(args, act_bytes)
     # Per token: what the blocks keep until backward, and what one block's recomputation holds
     # meanwhile (checkpointing only; it happens after the output head's buffers are freed).
     recompute = per_token_layer
@@ -226,6 +238,15 @@ def estimate_memory(
     head_grad = _ceil_div(v * h * grad_dtype_bytes, ranks)
     estimate["total"] = params + optimizer + fsdp_buffers + max(activations + head_grad, grads)
     return estimate
+
+
+def qk_norm_bytes(args: TransformerShape, act_bytes: int) -> int:
+    """Bytes per token and layer the q/k norms save for backward (module docstring); 0 without them."""
+    if args.qk_norm == "none":
+        return 0
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    stats = args.n_heads + args.n_kv_heads if args.qk_norm == "head" else 2
+    return (q + kv) * act_bytes + stats * 4
 
 
 def measured_peak_bytes(fn: Callable[[], object]) -> int:

@@ -6,7 +6,8 @@ folder under ``portatrain/models/`` that builds a ``ModelSpec``, one line in the
 (``portatrain/models/__init__.py``) and its ``conf/model/`` files. The pattern is torchtitan's
 ``TrainSpec`` (``torchtitan/protocols/train_spec.py``).
 
-Contracts a family's model and arguments keep (Llama and Qwen 3 both do):
+Families built from the shared parts (``portatrain.models.common``) get their spec from
+``decoder_spec``; the contracts every family's model and arguments keep:
 
 * The arguments are a frozen dataclass with ``vocab_size``, ``max_seq_len``, ``tie_embeddings``,
   ``num_params()`` (analytic count), ``flops_per_token(seq_len)`` and ``problems() -> list[str]``
@@ -91,6 +92,12 @@ class ModelSpec:
     estimate_memory: Callable[..., dict[str, int]]
     """Per-device memory estimate in bytes: ``estimate_memory(args, *, batch_size, seq_len, ...)``,
     keys ``params``, ``grads``, ``optimizer``, ``fsdp_buffers``, ``activations``, ``total``."""
+    published_params: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """Flavour name -> parameter count of the published checkpoint (the tied matrix once); the
+    conformance suite checks the analytic count of every such flavour against it."""
+    layout_problems: Callable[[Any, Any], list[str]] = lambda parallel, args: []
+    """``layout_problems(parallel, args)``: the parallel layouts this family's plan cannot apply, each
+    one line with the fix (see :meth:`parallel_problems`)."""
     config_overrides: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """``model.<key>`` config overrides this family accepts -> the arguments field each sets
     (e.g. ``{"ffn_dim": "ffn_hidden_dim"}``), for custom sizes from the command line. A key not
@@ -117,6 +124,14 @@ class ModelSpec:
             )
         changes = {self.config_overrides.get(k, k): v for k, v in given.items()}
         return dataclasses.replace(self.flavors[flavor], **changes)
+
+    def parallel_problems(self, parallel: Any, args: Any) -> list[str]:
+        """Why this family cannot run ``parallel`` (a ``ParallelConfig``) with ``args``; empty if it can.
+
+        Asked during config validation, so a layout the family's plan does not support is one clear
+        error in ``dry_run=true`` and ``portatrain plan`` too, before any process group starts.
+        """
+        return list(self.layout_problems(parallel, args))
 
     def args_from_dict(self, values: Mapping[str, Any]) -> Any:
         """Rebuild the arguments from ``dataclasses.asdict(args)`` (as checkpoints record them).

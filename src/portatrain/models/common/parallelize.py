@@ -1,6 +1,8 @@
-"""Parallelize a (meta-device) Llama: tensor parallel -> activation checkpointing -> compile -> FSDP2.
+"""Parallelize a (meta-device) decoder: tensor parallel -> activation checkpointing -> compile -> FSDP2.
 
-The order matters and is torchtitan's:
+The shared plan of every family built from ``portatrain.models.common``; it reads the block's
+structure (norm placement, q/k norm kind) off the module, so a family declares nothing to use it.
+The order matters and is torchtitan's (``torchtitan/models/llama3/infra/parallelize.py``):
 
 1. **Tensor parallel** first, because it replaces parameters by DTensors on the ``tp`` mesh and
    installs the input/output redistributions the later wrappers must see as part of the block.
@@ -10,19 +12,22 @@ The order matters and is torchtitan's:
    parameters over the data-parallel mesh; its all-gathers and reduce-scatters stay outside the
    compiled graphs.
 
-``model.py`` knows nothing of any of this. Attention reads its head count from the projected width
+The model knows nothing of any of this. Attention reads its head count from the projected width
 (``view(..., -1, head_dim)``), so column-sharded q/k/v projections give each rank
 ``n_heads / tp`` query and ``n_kv_heads / tp`` key/value heads with no change to the model; rank r
 holds query heads ``[r*n_heads/tp, (r+1)*n_heads/tp)`` and exactly the kv heads they read.
 
+What the plan cannot shard it refuses before any process starts (:func:`layout_problems`, a
+family's ``ModelSpec.parallel_problems``): q/k norms over the whole projection (OLMo 2) would need
+the sum of squares of every rank's heads.
+
 Tied embeddings (Llama 3.2 1B/3B) are tensor-parallel too: one vocabulary-sharded matrix serves the
-embedding and the output projection (:func:`_tied_output_projection`). Families with Llama's module
-names reuse this plan and add their own block submodules (Qwen 3: ``extra_block_plan``).
+embedding and the output projection (:func:`_tied_output_projection`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,11 +44,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from portatrain.models.common.layers import RMSNorm
 from portatrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from portatrain.parallel.parallel_dims import ParallelDims
 
 
-def parallelize_llama(
+def parallelize_decoder(
     model: nn.Module,
     parallel_dims: ParallelDims,
     *,
@@ -51,13 +57,12 @@ def parallelize_llama(
     compile_block: Callable[[nn.Module], nn.Module] | None = None,
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
-    extra_block_plan: Callable[[], Mapping[str, ParallelStyle]] | None = None,
 ) -> nn.Module:
     """Apply the parallel plan in place and return the model (the ``ModelSpec.parallelize`` protocol).
 
     Args:
-        model: a Llama-shaped decoder (``embed_tokens``, ``layers``, ``norm``, ``lm_head`` or None when
-            tied; block submodules named as in HF), preferably on the meta device.
+        model: a ``portatrain.models.common.decoder.Decoder`` (``embed_tokens``, ``layers``, ``norm``,
+            ``lm_head`` or None when tied; block submodules named as in HF), preferably on meta.
         parallel_dims: the layout, with its mesh built (``build_mesh``) when more than one rank runs.
         activation_checkpointing: ``none``, ``full`` or ``selective`` (see
             ``portatrain.parallel.activation_checkpoint``).
@@ -65,11 +70,12 @@ def parallelize_llama(
         param_dtype: FSDP2 all-gathers parameters in this dtype and computes in it (bf16 on
             accelerators; fp32 on CPU). The sharded master parameters stay fp32.
         reduce_dtype: FSDP2 reduce-scatters gradients in this dtype (fp32 by default).
-        extra_block_plan: a family whose blocks hold more than Llama's (Qwen 3's q/k norms) returns
-            the tensor-parallel styles of those extra submodules; they join each block's plan.
     """
     if parallel_dims.tp_enabled:
-        apply_tp(model, parallel_dims.tp_mesh, extra_block_plan=extra_block_plan)
+        problems = layout_problems(parallel_dims, model.args)
+        if problems:  # validation refuses these layouts first; this guards direct callers
+            raise ValueError("; ".join(problems))
+        apply_tp(model, parallel_dims.tp_mesh)
     apply_activation_checkpointing(model.layers, activation_checkpointing)
     if compile_block is not None:
         for name, block in list(model.layers.named_children()):
@@ -81,12 +87,59 @@ def parallelize_llama(
     return model
 
 
-def apply_tp(
-    model: nn.Module,
-    tp_mesh: DeviceMesh,
-    *,
-    extra_block_plan: Callable[[], Mapping[str, ParallelStyle]] | None = None,
-) -> None:
+def layout_problems(parallel: Any, args: Any) -> list[str]:
+    """Layouts this plan cannot apply to a model of ``args``, each with the fix (``ModelSpec.parallel_problems``).
+
+    ``parallel`` is a ``ParallelConfig`` or ``ParallelDims`` (anything with ``tp``).
+    """
+    problems = []
+    if parallel.tp > 1 and args.qk_norm == "proj":
+        problems.append(
+            f"parallel.tp={parallel.tp}: this model normalizes q and k over all heads at once "
+            "(qk_norm='proj', as OLMo 2), which tensor parallel would split across ranks; set parallel.tp=1 "
+            "and shard with FSDP2 instead (parallel.dp_shard)"
+        )
+    return problems
+
+
+def block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
+    """Tensor-parallel styles of one :class:`~portatrain.models.common.decoder.TransformerBlock`.
+
+    Between sub-layers the residual stream is sequence-sharded (``Shard(1)``), so every residual
+    norm is ``SequenceParallel`` wherever it sits (pre-norm: on the block input and the attention
+    sum; post-norm: on the row-parallel outputs, which arrive as ``Shard(1)``). Per-head q/k norms
+    (Qwen 3) see ``[B, S, heads, head_dim]`` sharded over heads (dim 2) and normalize each head on
+    its own rank; their gain is one ``head_dim`` vector shared by all heads, hence by all ranks: it
+    is kept replicated and its gradient -- each rank's sum over its own heads -- is all-reduced over
+    the tp group (HF's ``replicated_with_grad_allreduce``). ``SequenceParallel(sequence_dim=2)`` says
+    exactly that (dim 2 is heads here, despite the style's name).
+    """
+    plan: dict[str, ParallelStyle] = {
+        # forward(x, cos, sin, attn_mask): gather x over the sequence; RoPE tables and the
+        # mask are plain, full-length tensors already.
+        "self_attn": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None),
+        ),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    for name, child in block.named_children():
+        if isinstance(child, RMSNorm):  # the residual-stream norms, wherever the family places them
+            plan[name] = SequenceParallel()
+    if block.self_attn.qk_norm == "head":
+        for name in ("self_attn.q_norm", "self_attn.k_norm"):
+            plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Megatron-style tensor parallel with sequence parallel in between.
 
     Inside a block, q/k/v and gate/up are column-parallel (each rank computes its heads / its slice
@@ -94,6 +147,7 @@ def apply_tp(
     one collective forward and one backward. Between them the residual stream is sharded over the
     sequence (``Shard(1)``): the norms run on ``S / tp`` positions, and the row-parallel outputs are
     reduce-scattered instead of all-reduced (same bytes, 1/tp of the norm work and activation memory).
+    Megatron-LM: Korthikanti et al. 2022, https://arxiv.org/abs/2205.05198.
 
     The embedding is row-parallel over the vocabulary (each rank looks up the ids it owns, zeros the
     rest; the reduce-scatter sums them into sequence shards). The output projection is
@@ -117,27 +171,7 @@ def apply_tp(
     if model.lm_head is None:
         _tied_output_projection(model)
     for block in model.layers.values():
-        plan: dict[str, ParallelStyle] = {
-            "input_layernorm": SequenceParallel(),
-            # forward(x, cos, sin, attn_mask): gather x over the sequence; RoPE tables and the
-            # mask are plain, full-length tensors already.
-            "self_attn": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None, None),
-                desired_input_layouts=(Replicate(), None, None, None),
-            ),
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            "post_attention_layernorm": SequenceParallel(),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-        }
-        if extra_block_plan is not None:
-            plan.update(extra_block_plan())
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, block_plan(block))
 
 
 def _tied_output_projection(model: nn.Module) -> None:

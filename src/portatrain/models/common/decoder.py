@@ -1,0 +1,355 @@
+"""The decoder every family in this repository is: embedding -> blocks -> final norm -> logits.
+
+* :class:`DecoderArgs` -- what a family's frozen arguments dataclass inherits: the shape every shared
+  part reads (``dim``, ``n_layers``, ``n_heads``, ``n_kv_heads``, ``head_dim``, ``ffn_dim``,
+  ``vocab_size``, ``norm_eps``, ``rope_theta``, ``rope_scaling``, ``max_seq_len``,
+  ``tie_embeddings``), the two architectural switches (:attr:`~DecoderArgs.qk_norm`,
+  :attr:`~DecoderArgs.norm_placement`), every shape problem, the analytic parameter count and the
+  FLOPs-per-token convention.
+* :class:`TransformerBlock` -- one decoder layer, its norms placed before (Llama, Qwen 3) or after
+  (OLMo 2) each sub-layer, inside the residual branch.
+* :class:`Decoder` -- the whole model; a family's model class is a subclass that changes nothing but
+  its name (or overrides :meth:`Decoder.build_block` for a block of its own).
+
+Module and parameter names are Hugging Face's minus the ``model.`` prefix, so checkpoints convert by
+renaming alone (``portatrain.models.common.hf``). The model knows nothing about devices, meshes or
+compilers. The intended life cycle is::
+
+    with torch.device("meta"):
+        model = Llama(args)          # no memory allocated
+    ...parallelize (TP, activation checkpointing, compile, FSDP2)...
+    model.to_empty(device=device)    # allocate, uninitialized
+    model.init_weights(std=0.02)     # or load a checkpoint
+
+Constructing on a real device also works: PyTorch's default init runs and the RoPE tables are
+filled, but call :meth:`Decoder.init_weights` for the initialization this file intends.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from portatrain.models.common.layers import Attention, FeedForward, QKNorm, RMSNorm, trunc_normal_
+from portatrain.models.common.rope import RopeScaling, rope_tables
+
+NormPlacement = Literal["pre", "post"]
+"""``pre``: ``h = x + f(norm(x))`` (Llama, Qwen 3); ``post``: ``h = x + norm(f(x))``, the norm inside
+the residual branch after each sub-layer (OLMo 2, https://arxiv.org/abs/2501.00656, section 3.2)."""
+
+
+class DecoderArgs:
+    """Mixed into a family's frozen arguments dataclass: the shape the shared parts read.
+
+    A family provides the fields named in this module's docstring (as dataclass fields or derived
+    properties, e.g. Llama's ``head_dim = dim // n_heads``) and sets the class-level switches below.
+    Construction does not validate (a config validator wants every problem, not the first): see
+    :meth:`problems`, which :class:`Decoder` checks before building anything.
+    """
+
+    qk_norm: ClassVar[QKNorm] = "none"
+    """Where attention normalizes q and k; see ``portatrain.models.common.layers.QKNorm``."""
+    norm_placement: ClassVar[NormPlacement] = "pre"
+    """Where each block's norms sit; see :data:`NormPlacement`."""
+    rope_scaling: RopeScaling | None = None
+    """RoPE frequency scaling; a family that supports it declares it as a field."""
+    positive_fields: ClassVar[tuple[str, ...]] = (
+        "dim",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "vocab_size",
+        "max_seq_len",
+    )
+    """Fields that must be positive (``model.<name>`` config keys)."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    norm_eps: float
+    rope_theta: float
+    max_seq_len: int
+    tie_embeddings: bool
+    head_dim: int
+    ffn_dim: int
+
+    def problems(self) -> list[str]:
+        """Every inconsistency, each naming the values and the fix; empty when the arguments are valid.
+
+        Collected rather than raised one at a time, so a bad flavour or custom sizes given on the
+        command line (``model.dim=... model.n_heads=...``) are fixed in one edit.
+        """
+        problems = [
+            f"model.{name}={getattr(self, name)} must be positive"
+            for name in self.positive_fields
+            if getattr(self, name) <= 0
+        ]
+        if self.norm_eps <= 0:
+            problems.append(f"model.norm_eps={self.norm_eps} must be positive")
+        if self.rope_theta <= 1:
+            problems.append(f"model.rope_theta={self.rope_theta} must be > 1")
+        own = self.family_problems()  # (may make the derived head_dim meaningless)
+        problems += own
+        if not own and self.n_heads > 0 and self.head_dim > 0 and self.head_dim % 2:
+            problems.append(
+                f"model.head_dim={self.head_dim} must be even: RoPE rotates channel pairs; "
+                "choose sizes that give an even head_dim"
+            )
+        if self.n_heads > 0 and self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads:
+            divisors = [d for d in range(1, self.n_heads + 1) if self.n_heads % d == 0]
+            problems.append(
+                f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads} for "
+                f"grouped-query attention; choose model.n_kv_heads in {divisors}"
+            )
+        return problems
+
+    def family_problems(self) -> list[str]:
+        """A family's own checks (none by default); guard divisions, sizes may be zero here."""
+        return []
+
+    @property
+    def q_dim(self) -> int:
+        """Width of all query heads together, ``n_heads * head_dim`` (may differ from ``dim``)."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of all key (or value) heads together, ``n_kv_heads * head_dim``."""
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def qk_norm_params(self) -> int:
+        """Parameters of one block's q and k norms (their gains)."""
+        return {"none": 0, "head": 2 * self.head_dim, "proj": self.q_dim + self.kv_dim}[self.qk_norm]
+
+    @property
+    def block_params(self) -> int:
+        """Parameters of one :class:`TransformerBlock`."""
+        attn = 2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim  # q, o and k, v projections
+        mlp = 3 * self.dim * self.ffn_dim
+        return attn + mlp + 2 * self.dim + self.qk_norm_params  # + the block's two RMSNorm gains
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Parameter count computed from the shapes alone (nothing is built).
+
+        ``exclude_embedding`` drops the input embedding table. With tied embeddings that table is
+        also the output projection, so it leaves the model without any vocabulary matrix.
+        """
+        embedding = self.vocab_size * self.dim
+        output = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        total = embedding + self.n_layers * self.block_params + self.dim + output  # + final norm
+        return total - embedding if exclude_embedding else total
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs (forward + backward) per token at context length ``seq_len``.
+
+        The convention of PaLM (Chowdhery et al. 2022, https://arxiv.org/abs/2204.02311, appendix B)
+        and torchtitan, so MFU numbers compare with theirs:
+
+        * ``6 * N`` for the weight matmuls: 2 FLOPs per multiply-add forward, twice that backward
+          (gradients for inputs and for weights). ``N`` excludes the embedding lookup, which is a
+          gather, but includes the output projection even when it is tied to the embedding.
+        * ``12 * n_layers * n_heads * head_dim * seq_len`` for attention: ``QK^T`` and ``AV`` each
+          cost ``2 * seq_len * head_dim`` per head and token forward (4 together), backward twice
+          that (8). The full ``seq_len x seq_len`` square is counted (no discount for the causal
+          mask), as PaLM does.
+        """
+        matmul_params = self.num_params(exclude_embedding=True)
+        if self.tie_embeddings:
+            matmul_params += self.vocab_size * self.dim
+        return 6 * matmul_params + 12 * self.n_layers * self.q_dim * seq_len
+
+
+class DerivedHeadDim:
+    """Mixed in before :class:`DecoderArgs` by families whose head width is ``dim / n_heads`` (Llama,
+    OLMo 2), so ``n_heads * head_dim == dim``."""
+
+    dim: int
+    n_heads: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def family_problems(self) -> list[str]:
+        if self.dim <= 0 or self.n_heads <= 0 or self.dim % self.n_heads == 0:
+            return []
+        fits = [n for n in range(1, self.dim + 1) if self.dim % n == 0 and n <= 2 * self.n_heads][-3:]
+        return [
+            f"dim({self.dim}) must be divisible by n_heads({self.n_heads}) (head_dim = dim / n_heads); "
+            f"change dim or use n_heads in {fits}"
+        ]
+
+
+class TransformerBlock(nn.Module):
+    """One decoder layer: attention then the feed-forward, each in a residual branch with an RMSNorm.
+
+    ``norm_placement="pre"``: ``h = x + attn(input_layernorm(x))``, ``h + mlp(post_attention_layernorm(h))``.
+    ``norm_placement="post"``: ``h = x + post_attention_layernorm(attn(x))``,
+    ``h + post_feedforward_layernorm(mlp(h))`` (HF's names for both).
+
+    A standalone module so parallelization can wrap each block on its own (activation
+    checkpointing, ``torch.compile``, ``fully_shard``).
+    """
+
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__()
+        if args.norm_placement not in ("pre", "post"):
+            raise ValueError(f"norm_placement={args.norm_placement!r} is not one of pre, post")
+        self.norm_placement = args.norm_placement
+        if args.norm_placement == "pre":
+            self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(
+            args.dim,
+            args.n_heads,
+            args.n_kv_heads,
+            args.head_dim,
+            norm_eps=args.norm_eps,
+            qk_norm=args.qk_norm,
+        )
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = FeedForward(args.dim, args.ffn_dim)
+        if args.norm_placement == "post":
+            self.post_feedforward_layernorm = RMSNorm(args.dim, args.norm_eps)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for norm in self.norms():
+            norm.reset_parameters()
+        self.self_attn.init_weights(std, out_std)
+        self.mlp.init_weights(std, out_std)
+
+    def norms(self) -> list[RMSNorm]:
+        """The block's two residual-stream norms, in order (attention's, then the feed-forward's)."""
+        if self.norm_placement == "pre":
+            return [self.input_layernorm, self.post_attention_layernorm]
+        return [self.post_attention_layernorm, self.post_feedforward_layernorm]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.norm_placement == "pre":
+            h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, attn_mask))
+        return h + self.post_feedforward_layernorm(self.mlp(h))
+
+
+class Decoder(nn.Module):
+    """A decoder-only language model returning next-token logits.
+
+    ``layers`` is an ``nn.ModuleDict`` keyed ``"0", "1", ...`` (as in torchtitan): its state-dict
+    keys are the same as a ``ModuleList``'s, but blocks can be replaced by wrapped versions
+    (checkpointing, compile) or deleted (pipeline stages) without renumbering the survivors, so
+    checkpoint keys stay stable.
+
+    With ``tie_embeddings`` there is no ``lm_head`` module at all: the output projection reads
+    ``embed_tokens.weight`` directly. A second module holding the same ``Parameter`` would be
+    silently untied by ``to_empty`` and by per-module sharding.
+    """
+
+    def __init__(self, args: Any) -> None:
+        super().__init__()
+        problems = args.problems()
+        if problems:
+            raise ValueError(f"invalid {type(args).__name__}:\n  - " + "\n  - ".join(problems))
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): self.build_block(args, i) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Derived from args, so kept out of checkpoints (non-persistent) and rebuilt by init_weights
+        # after to_empty(). fp32 even in bf16 runs; the rope op casts at use.
+        cos, sin = self._rope_tables()
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def build_block(self, args: Any, layer_id: int) -> nn.Module:
+        """Block ``layer_id``; a family with blocks of its own overrides this."""
+        return TransformerBlock(args)
+
+    def _rope_tables(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.args
+        return rope_tables(a.head_dim, a.rope_theta, a.max_seq_len, a.rope_scaling, device=device)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Initialize every parameter and rebuild the RoPE tables on their current device.
+
+        Deterministic under the current torch seed (parameters are drawn in a fixed order).
+        Weights are truncated normal with ``std``; the two projections that write into the
+        residual stream (``o_proj``, ``down_proj``) use ``std / sqrt(2 * n_layers)`` (GPT-2,
+        Megatron) so the residual's variance does not grow with depth. Norm gains start at 1.
+        """
+        cos, sin = self._rope_tables(device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        out_std = std / math.sqrt(2 * self.args.n_layers)
+        trunc_normal_(self.embed_tokens.weight, std)
+        for block in self.layers.values():
+            block.init_weights(std, out_std)
+        self.norm.reset_parameters()
+        if self.lm_head is not None:
+            trunc_normal_(self.lm_head.weight, std)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        output_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[B, S, vocab_size]`` in the compute dtype, or ``output_fn``'s result.
+
+        Args:
+            tokens: ``[B, S]`` token ids.
+            positions: ``[B, S]`` RoPE positions; default ``0..S-1`` in every row. Packed rows pass
+                positions that restart at 0 at each document boundary. Values must be below
+                ``max_seq_len`` (not checked: that would need a device sync).
+            attn_mask: ``[B, 1, S, S]`` boolean, ``True`` where a query may attend to a key (e.g. the
+                packing collator's block-diagonal causal mask); ``None`` is plain causal attention.
+            output_fn: called as ``output_fn(hidden, weight)`` with the final normalized hidden states
+                ``[B, S, dim]`` and the output projection's matrix ``[vocab_size, dim]`` in place of
+                the projection (e.g. ``portatrain.losses``' chunked loss, which never builds the full
+                logits). Inside ``forward``, so FSDP2 has the matrix gathered.
+        """
+        seq_len = tokens.shape[1]
+        if seq_len > self.args.max_seq_len:
+            raise ValueError(
+                f"sequence length {seq_len} > max_seq_len {self.args.max_seq_len}; "
+                f"shorten the rows or raise model.max_seq_len"
+            )
+        if positions is None:
+            cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]  # [S, D], broadcast over B, H
+        else:
+            cos = self.rope_cos[positions].unsqueeze(1)  # [B, 1, S, D]
+            sin = self.rope_sin[positions].unsqueeze(1)
+
+        h = self.embed_tokens(tokens)
+        for block in self.layers.values():
+            h = block(h, cos, sin, attn_mask)
+        h = self.norm(h)
+        if output_fn is not None:
+            return output_fn(h, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        if self.lm_head is None:
+            return F.linear(h, self.embed_tokens.weight)
+        return self.lm_head(h)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Count the parameters actually held (a tied matrix once); see :meth:`DecoderArgs.num_params`."""
+        total = sum(p.numel() for p in self.parameters())
+        return total - self.embed_tokens.weight.numel() if exclude_embedding else total
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token; convention in :meth:`DecoderArgs.flops_per_token`."""
+        return self.args.flops_per_token(seq_len)
