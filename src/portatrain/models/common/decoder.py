@@ -1,9 +1,8 @@
 """The decoder every family in this repository is: embedding -> blocks -> final norm -> logits.
 
-* :class:`DecoderArgs` -- what a family's frozen arguments dataclass inherits: the shape every shared
-  part reads (``dim``, ``n_layers``, ``n_heads``, ``n_kv_heads``, ``head_dim``, ``ffn_dim``,
-  ``vocab_size``, ``norm_eps``, ``rope_theta``, ``rope_scaling``, ``max_seq_len``,
-  ``tie_embeddings``), the two architectural switches (:attr:`~DecoderArgs.qk_norm`,
+* :class:`DecoderArgs` -- what a family's frozen arguments dataclass inherits: the shared fields
+  (``dim``, ``n_layers``, ``n_heads``, ``n_kv_heads``, ``vocab_size``, ``norm_eps``, ``rope_theta``,
+  ``max_seq_len``, ``tie_embeddings``; the family adds ``head_dim`` and ``ffn_dim``), the two architectural switches (:attr:`~DecoderArgs.qk_norm`,
   :attr:`~DecoderArgs.norm_placement`), every shape problem, the analytic parameter count and the
   FLOPs-per-token convention.
 * :class:`TransformerBlock` -- one decoder layer, its norms placed before (Llama, Qwen 3) or after
@@ -29,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -43,21 +43,24 @@ NormPlacement = Literal["pre", "post"]
 the residual branch after each sub-layer (OLMo 2, https://arxiv.org/abs/2501.00656, section 3.2)."""
 
 
+@dataclass(frozen=True)
 class DecoderArgs:
-    """Mixed into a family's frozen arguments dataclass: the shape the shared parts read.
+    """The fields every family shares, the shape problems, parameter count and FLOPs; a family's
+    frozen arguments dataclass subclasses it.
 
-    A family provides the fields named in this module's docstring (as dataclass fields or derived
-    properties, e.g. Llama's ``head_dim = dim // n_heads``) and sets the class-level switches below.
-    Construction does not validate (a config validator wants every problem, not the first): see
-    :meth:`problems`, which :class:`Decoder` checks before building anything.
+    A family adds its own fields (or derived properties) for ``head_dim`` and ``ffn_dim``, sets the
+    class-level switches below, and redeclares a shared field only to change its default (the
+    defaults here are Llama 3 8B's). Frozen because flavour tables share instances: derive variants
+    with ``dataclasses.replace``. Construction does not validate (a config validator wants every
+    problem, not the first): see :meth:`problems`, which :class:`Decoder` checks before building.
     """
 
     qk_norm: ClassVar[QKNorm] = "none"
     """Where attention normalizes q and k; see ``portatrain.models.common.layers.QKNorm``."""
     norm_placement: ClassVar[NormPlacement] = "pre"
     """Where each block's norms sit; see :data:`NormPlacement`."""
-    rope_scaling: RopeScaling | None = None
-    """RoPE frequency scaling; a family that supports it declares it as a field."""
+    rope_scaling: ClassVar[RopeScaling | None] = None
+    """RoPE frequency scaling; a family that supports it declares it as a field (Llama)."""
     positive_fields: ClassVar[tuple[str, ...]] = (
         "dim",
         "n_layers",
@@ -68,17 +71,26 @@ class DecoderArgs:
     )
     """Fields that must be positive (``model.<name>`` config keys)."""
 
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    vocab_size: int
-    norm_eps: float
-    rope_theta: float
-    max_seq_len: int
-    tie_embeddings: bool
-    head_dim: int
-    ffn_dim: int
+    dim: int = 4096
+    """Hidden size (HF ``hidden_size``)."""
+    n_layers: int = 32
+    """Number of transformer blocks (HF ``num_hidden_layers``)."""
+    n_heads: int = 32
+    """Query heads (HF ``num_attention_heads``)."""
+    n_kv_heads: int = 8
+    """Key/value heads for grouped-query attention; must divide ``n_heads`` (HF ``num_key_value_heads``)."""
+    vocab_size: int = 128256
+    """Rows of the embedding table and of the output projection."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon of every norm, q/k norms included (HF ``rms_norm_eps``)."""
+    rope_theta: float = 500000.0
+    """RoPE base period."""
+    max_seq_len: int = 131072
+    """Length of the RoPE table, i.e. the longest position the model can be fed (HF
+    ``max_position_embeddings``). Lower it for training: the cos/sin tables cost
+    ``2 * max_seq_len * head_dim`` fp32 values per device."""
+    tie_embeddings: bool = False
+    """Share the embedding matrix with the output projection."""
 
     def problems(self) -> list[str]:
         """Every inconsistency, each naming the values and the fix; empty when the arguments are valid.

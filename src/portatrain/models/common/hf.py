@@ -119,6 +119,29 @@ def decoder_config_problems(config: Mapping[str, Any], *, rope_types: tuple[str,
     return problems
 
 
+def checked_rope(
+    config: Mapping[str, Any],
+    *,
+    family: str,
+    model_type: str | None,
+    rope_types: tuple[str, ...],
+    default_theta: float,
+    problems: tuple[str, ...] = (),
+) -> tuple[dict[str, Any], float, str]:
+    """:func:`rope_parameters` of a config this family can load, else ``ValueError`` listing every
+    unsupported feature (:func:`decoder_config_problems` plus the family's own ``problems``).
+
+    ``model_type``: the config's expected ``model_type`` (None: not checked); a mismatch is an error.
+    """
+    found = config.get("model_type", model_type)
+    if model_type is not None and found != model_type:
+        raise ValueError(f"model_type={found!r} is not a {family} config (expected {model_type!r})")
+    unsupported = [*decoder_config_problems(config, rope_types=rope_types), *problems]
+    if unsupported:
+        raise ValueError(f"unsupported {family} config:\n  - " + "\n  - ".join(unsupported))
+    return rope_parameters(config, default_theta)
+
+
 def decoder_args(config: Mapping[str, Any], *, default_max_seq_len: int) -> dict[str, Any]:
     """The shared arguments read off an HF config (``model.*`` names); a family adds its own."""
     heads = config["num_attention_heads"]

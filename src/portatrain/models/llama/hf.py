@@ -39,14 +39,19 @@ def args_from_hf_config(config: Mapping[str, Any]) -> LlamaArgs:
 
     Raises ``ValueError`` listing every feature this model does not implement.
     """
-    rope, rope_theta, rope_type = common.rope_parameters(config, 10000.0)
-    problems = common.decoder_config_problems(config, rope_types=("default", "llama3"))
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim")
+    problems = ()
     if head_dim is not None and head_dim != hidden // heads:
-        problems.append(f"head_dim={head_dim} != hidden_size/num_attention_heads = {hidden // heads}")
-    if problems:
-        raise ValueError("unsupported Llama config:\n  - " + "\n  - ".join(problems))
+        problems = (f"head_dim={head_dim} != hidden_size/num_attention_heads = {hidden // heads}",)
+    rope, rope_theta, rope_type = common.checked_rope(
+        config,
+        family="Llama",
+        model_type=None,
+        rope_types=("default", "llama3"),
+        default_theta=10000.0,
+        problems=problems,
+    )
 
     scaling = None
     if rope_type == "llama3":

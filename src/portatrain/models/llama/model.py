@@ -22,22 +22,10 @@ from portatrain.models.common.rope import RopeScaling, rope_inv_freq
 
 @dataclass(frozen=True)
 class LlamaArgs(DerivedHeadDim, DecoderArgs):
-    """Architecture of one Llama 3 model. Field names follow Meta's ``params.json``.
+    """Architecture of one Llama 3 model: the shared fields (``DecoderArgs``, whose defaults are Llama 3
+    8B's) plus Meta's SwiGLU sizing rule and RoPE scaling. ``head_dim = dim // n_heads``; the 3.2 1B
+    and 3B tie their embeddings."""
 
-    Frozen because the flavour table shares instances: derive variants with ``dataclasses.replace``.
-    Construction does not validate: see :meth:`problems` (shared, ``DecoderArgs``).
-    """
-
-    dim: int = 4096
-    """Hidden size (HF ``hidden_size``)."""
-    n_layers: int = 32
-    """Number of transformer blocks."""
-    n_heads: int = 32
-    """Query heads; ``head_dim = dim // n_heads``."""
-    n_kv_heads: int = 8
-    """Key/value heads for grouped-query attention; must divide ``n_heads``."""
-    vocab_size: int = 128256
-    """Rows of the embedding table and of the output projection."""
     ffn_hidden_dim: int | None = None
     """SwiGLU width (HF ``intermediate_size``); ``None`` derives it from ``multiple_of`` and
     ``ffn_dim_multiplier`` as Meta's reference code does (see :attr:`ffn_dim`)."""
@@ -45,18 +33,8 @@ class LlamaArgs(DerivedHeadDim, DecoderArgs):
     """The derived SwiGLU width is rounded up to a multiple of this."""
     ffn_dim_multiplier: float | None = None
     """Extra factor on the derived SwiGLU width (1.3 for 8B/70B, 1.5 for 1B, 1.0 for 3B)."""
-    norm_eps: float = 1e-5
-    """RMSNorm epsilon (HF ``rms_norm_eps``)."""
-    rope_theta: float = 500000.0
-    """RoPE base period."""
     rope_scaling: RopeScaling | None = field(default_factory=RopeScaling)
     """Llama 3.1 frequency scaling; ``None`` is plain RoPE."""
-    max_seq_len: int = 131072
-    """Length of the RoPE table, i.e. the longest position the model can be fed (HF
-    ``max_position_embeddings``). Lower it for training: the cos/sin tables cost
-    ``2 * max_seq_len * head_dim`` fp32 values per device."""
-    tie_embeddings: bool = False
-    """Share the embedding matrix with the output projection (Llama 3.2 1B/3B do)."""
 
     def family_problems(self) -> list[str]:
         problems = super().family_problems()

@@ -23,13 +23,9 @@ def hf_config(args: Olmo2Args, *, torch_dtype: str = "bfloat16") -> dict[str, An
 
 def args_from_hf_config(config: Mapping[str, Any]) -> Olmo2Args:
     """Read an ``Olmo2Config`` dict into :class:`Olmo2Args`; ``ValueError`` lists what is not implemented."""
-    model_type = config.get("model_type", "olmo2")
-    if model_type != "olmo2":
-        raise ValueError(f"model_type={model_type!r} is not an OLMo 2 config (expected 'olmo2')")
-    _, rope_theta, _ = common.rope_parameters(config, 10000.0)
-    problems = common.decoder_config_problems(config, rope_types=("default",))
-    if problems:
-        raise ValueError("unsupported OLMo 2 config:\n  - " + "\n  - ".join(problems))
+    _, rope_theta, _ = common.checked_rope(
+        config, family="OLMo 2", model_type="olmo2", rope_types=("default",), default_theta=10000.0
+    )
     return Olmo2Args(
         **common.decoder_args(config, default_max_seq_len=4096),
         ffn_dim=config["intermediate_size"],

@@ -33,26 +33,13 @@ class Olmo2Args(DerivedHeadDim, DecoderArgs):
     norm_placement: ClassVar[str] = "post"
     positive_fields: ClassVar[tuple[str, ...]] = (*DecoderArgs.positive_fields, "ffn_dim")
 
-    dim: int = 4096
-    """Hidden size (HF ``hidden_size``)."""
-    n_layers: int = 32
-    """Number of transformer blocks (HF ``num_hidden_layers``)."""
-    n_heads: int = 32
-    """Query heads (HF ``num_attention_heads``)."""
-    n_kv_heads: int = 32
-    """Key/value heads (HF ``num_key_value_heads``); the published 1B-13B use full multi-head attention."""
     ffn_dim: int = 11008
     """SwiGLU width (HF ``intermediate_size``)."""
+    # Shared fields whose OLMo 2 defaults differ: full multi-head attention up to 13B, 4096 positions.
+    n_kv_heads: int = 32
     vocab_size: int = 100352
-    """Rows of the embedding table and of the output projection."""
     norm_eps: float = 1e-6
-    """RMSNorm epsilon of every norm, q/k norms included (HF ``rms_norm_eps``)."""
-    rope_theta: float = 500_000.0
-    """RoPE base period."""
     max_seq_len: int = 4096
-    """Length of the RoPE table (HF ``max_position_embeddings``)."""
-    tie_embeddings: bool = False
-    """Share the embedding matrix with the output projection (no published OLMo 2 does)."""
 
 
 _7B = Olmo2Args()

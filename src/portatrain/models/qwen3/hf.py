@@ -38,13 +38,9 @@ def args_from_hf_config(config: Mapping[str, Any]) -> Qwen3Args:
     Raises ``ValueError`` listing every feature this model does not implement (RoPE scaling such as
     YaRN, sliding-window layers, biases, another activation), and when the config is not a Qwen 3 one.
     """
-    model_type = config.get("model_type", "qwen3")
-    if model_type != "qwen3":
-        raise ValueError(f"model_type={model_type!r} is not a Qwen 3 dense config (expected 'qwen3')")
-    _, rope_theta, _ = common.rope_parameters(config, 1_000_000.0)
-    problems = common.decoder_config_problems(config, rope_types=("default",))
-    if problems:
-        raise ValueError("unsupported Qwen3 config:\n  - " + "\n  - ".join(problems))
+    _, rope_theta, _ = common.checked_rope(
+        config, family="Qwen3", model_type="qwen3", rope_types=("default",), default_theta=1_000_000.0
+    )
     return Qwen3Args(
         **common.decoder_args(config, default_max_seq_len=40960),
         head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],

@@ -26,39 +26,22 @@ from portatrain.models.common.decoder import Decoder, DecoderArgs, TransformerBl
 
 @dataclass(frozen=True)
 class Qwen3Args(DecoderArgs):
-    """Architecture of one Qwen 3 dense model. Names follow portatrain's ``model.*`` config keys;
-    the Hugging Face ``config.json`` name of each is in its docstring.
-
-    Frozen because the flavour table shares instances: derive variants with ``dataclasses.replace``.
-    """
+    """Architecture of one Qwen 3 dense model: the shared fields (``DecoderArgs``) plus a decoupled
+    ``head_dim`` and an explicit SwiGLU width."""
 
     qk_norm: ClassVar[str] = "head"
     positive_fields: ClassVar[tuple[str, ...]] = (*DecoderArgs.positive_fields, "head_dim", "ffn_dim")
 
-    dim: int = 4096
-    """Hidden size (HF ``hidden_size``)."""
-    n_layers: int = 36
-    """Number of transformer blocks (HF ``num_hidden_layers``)."""
-    n_heads: int = 32
-    """Query heads (HF ``num_attention_heads``)."""
-    n_kv_heads: int = 8
-    """Key/value heads for grouped-query attention; must divide ``n_heads``."""
     head_dim: int = 128
     """Width of one attention head, independent of ``dim / n_heads`` (HF ``head_dim``)."""
     ffn_dim: int = 12288
     """SwiGLU width (HF ``intermediate_size``)."""
+    # Shared fields whose Qwen 3 defaults differ (0.6B, 1.7B and 4B tie their embeddings).
+    n_layers: int = 36
     vocab_size: int = 151936
-    """Rows of the embedding table and of the output projection."""
     norm_eps: float = 1e-6
-    """RMSNorm epsilon of every norm, q/k norms included (HF ``rms_norm_eps``)."""
     rope_theta: float = 1_000_000.0
-    """RoPE base period."""
     max_seq_len: int = 40960
-    """Length of the RoPE table, i.e. the longest position the model can be fed (HF
-    ``max_position_embeddings``). Lower it for training: the cos/sin tables cost
-    ``2 * max_seq_len * head_dim`` fp32 values per device."""
-    tie_embeddings: bool = False
-    """Share the embedding matrix with the output projection (0.6B, 1.7B and 4B do)."""
 
 
 _PUBLISHED = Qwen3Args()  # the shared values below: vocab 151936, eps 1e-6, theta 1e6, 40960 positions
