@@ -374,7 +374,7 @@ def test_cuda_first_example_is_flagged_and_its_port_is_clean() -> None:
 def test_portatrain_source_audits_clean() -> None:
     """``portatrain audit src`` passes at the default fail-on level. The CUDA and simulated-device
     adapters are excluded by ``[tool.portatrain.audit]`` in pyproject.toml: device-specific code
-    belongs there (STYLE rule 7)."""
+    belongs there, and only there."""
     config = load_config(ROOT / "pyproject.toml")
     result = audit_paths([ROOT / "src"], config)
     assert not result.fails("error"), "\n".join(

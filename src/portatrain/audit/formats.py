@@ -31,7 +31,7 @@ bumps the version, adding a field does not::
                               "replacement": ..., "disabled": false}, ...}
     }
 
-Levels are the portability checklist's (reference article 001, section 8): 1 device & API, 2
+Levels are those of the portability checklist ``portatrain report`` fills: 1 device & API, 2
 operator & library coverage, 4 compilation & shape stability, 5 performance; 0 is outside it
 (checkpoint safety, unparsable files). ``rules`` lists every rule with the severity in effect
 after the config, so a reader can tell "no finding" from "rule disabled".
@@ -50,8 +50,9 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from portatrain.audit.finding import Finding
 from portatrain.audit.rules import RULES, SEVERITIES
-from portatrain.audit.scan import AuditResult, Finding
+from portatrain.audit.scan import AuditResult
 
 JSON_SCHEMA = "portatrain.audit/1"
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"

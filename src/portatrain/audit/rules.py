@@ -11,9 +11,10 @@ Severities:
 * ``warning`` -- runs, but is slow, recompiles, syncs the host or is unsafe.
 * ``info``    -- worth a look; never gates CI by default.
 
-``level`` is the level of the portability checklist (reference article 001, section 8) the rule
-gives evidence for: 1 device & API, 2 operator & library coverage, 4 compilation & shape
-stability, 5 performance (host round-trips); 0 is outside the checklist (checkpoint safety).
+``level`` is the level of the portability checklist that ``portatrain report`` fills
+(:mod:`portatrain.report`) the rule gives evidence for: 1 device & API, 2 operator & library
+coverage, 4 compilation & shape stability, 5 performance (host round-trips); 0 is outside the
+checklist (checkpoint safety).
 """
 
 from __future__ import annotations

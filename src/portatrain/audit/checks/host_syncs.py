@@ -1,0 +1,119 @@
+"""Host syncs in the training step: reading a tensor's value on the host (``.item()``, ``print``,
+``float(t)``, an f-string), shapes that depend on values, and ``if``/``while`` on a tensor.
+
+Each check fires only in code that runs on every training step
+(:meth:`~portatrain.audit.context.FileScan.in_step`); see :mod:`portatrain.audit.step`.
+
+Rules: ``host-sync``, ``data-dependent-shape``, ``tensor-control-flow``.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from portatrain.audit.context import FileScan
+from portatrain.audit.registry import RuleFamily
+from portatrain.audit.tree import terminal_name
+
+FAMILY = RuleFamily("host syncs")
+
+_HOST_SYNC_METHODS = frozenset({"item", "tolist", "numpy", "cpu"})
+_DYNAMIC_SHAPE_METHODS = frozenset({"nonzero", "unique", "unique_consecutive", "masked_select", "argwhere"})
+
+
+@FAMILY.check(ast.Call)
+def step_call(scan: FileScan, node: ast.Call) -> None:
+    if not scan.in_step(node):
+        return
+    qualname = scan.names.qualname(node.func)
+    method = scan.names.method(node)
+    builtin = scan.names.builtin(node)
+    if method in _HOST_SYNC_METHODS:
+        scan.report_method(
+            "host-sync", node, f"`.{method}()` in the training step waits for the device to finish"
+        )
+    elif (
+        method == "to"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and node.args[0].value == "cpu"
+    ):
+        scan.report_method("host-sync", node, '`.to("cpu")` in the training step waits for the device')
+    elif builtin == "print" and any(scan.tensors.is_tensor(arg) for arg in node.args):
+        scan.report("host-sync", node, "`print(tensor)` in the training step copies the tensor to the host")
+    elif builtin in ("float", "int", "bool") and len(node.args) == 1 and scan.tensors.is_tensor(node.args[0]):
+        scan.report(
+            "host-sync",
+            node,
+            f"`{builtin}({scan.text(node.args[0], 40)})` of a tensor in the training step waits on the device",
+        )
+    if method in _DYNAMIC_SHAPE_METHODS:
+        scan.report_method(
+            "data-dependent-shape", node, f"`.{method}()` returns a shape that depends on the values"
+        )
+    elif qualname is not None and qualname.split(".")[0] == "torch":
+        name = qualname.split(".")[-1]
+        if name in _DYNAMIC_SHAPE_METHODS or (name == "where" and len(node.args) == 1 and not node.keywords):
+            scan.report(
+                "data-dependent-shape",
+                node,
+                f"`{qualname}(...)` returns a shape that depends on the values",
+            )
+
+
+@FAMILY.check(ast.JoinedStr)
+def formatted_tensor(scan: FileScan, node: ast.JoinedStr) -> None:
+    if not scan.in_step(node):
+        return
+    for part in node.values:
+        if isinstance(part, ast.FormattedValue) and scan.tensors.is_tensor(part.value):
+            scan.report(
+                "host-sync",
+                part,
+                f"formatting the tensor `{scan.text(part.value)}` in the training step waits on the device",
+            )
+
+
+@FAMILY.check(ast.Subscript)
+def boolean_mask_index(scan: FileScan, node: ast.Subscript) -> None:
+    if isinstance(node.ctx, ast.Load) and _is_boolean_index(scan, node.slice) and scan.in_step(node):
+        scan.report(
+            "data-dependent-shape",
+            node,
+            f"boolean-mask indexing `{scan.text(node)}`: its shape depends on the mask's values",
+        )
+
+
+def _is_boolean_index(scan: FileScan, index: ast.expr, depth: int = 0) -> bool:
+    if depth > 4:
+        return False
+    if isinstance(index, ast.Compare):
+        return True
+    if isinstance(index, ast.UnaryOp) and isinstance(index.op, ast.Invert):
+        return _is_boolean_index(scan, index.operand, depth + 1)
+    if isinstance(index, ast.BinOp) and isinstance(index.op, ast.BitAnd | ast.BitOr):
+        return _is_boolean_index(scan, index.left, depth + 1) or _is_boolean_index(
+            scan, index.right, depth + 1
+        )
+    if isinstance(index, ast.Call) and isinstance(index.func, ast.Attribute) and index.func.attr == "bool":
+        return True
+    if isinstance(index, ast.Name | ast.Attribute) and "mask" in terminal_name(index).lower():
+        return True
+    if isinstance(index, ast.Name):
+        value = scan.tensors.resolve(index)
+        return value is not None and _is_boolean_index(scan, value, depth + 1)
+    return False
+
+
+_KEYWORDS = {ast.If: "if", ast.While: "while", ast.Assert: "assert"}
+
+
+@FAMILY.check(ast.If, ast.While, ast.Assert)
+def tensor_condition(scan: FileScan, node: ast.If | ast.While | ast.Assert) -> None:
+    runs_per_step = scan.in_step(node) or scan.step.is_training_loop(node)
+    if runs_per_step and scan.tensors.truth_read(node.test):
+        scan.report(
+            "tensor-control-flow",
+            node.test,
+            f"`{_KEYWORDS[type(node)]} {scan.text(node.test)}` reads a tensor's value on the host every step",
+        )
