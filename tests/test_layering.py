@@ -1,4 +1,4 @@
-"""Layers point down (STYLE.md rule 17): the import graph of ``portatrain`` has no cycle and no upward edge.
+"""Layers point down: the import graph of ``portatrain`` has no cycle and no upward edge.
 
 The table below is the architecture: each row may import the rows above it, never a row below or a
 neighbour in its own row. A new first-level module or package must be placed in it. The checker
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.layering import layering_violations
+from tests.layering import layering_violations, module_graph
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "portatrain"
 
@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("models", "data"),  # model families (parallelize.py uses parallel/); the data pipeline
     # stages the trainer uses; the audit (static scan, runtime audit)
     ("compile", "losses", "optim", "profiling", "metrics", "checkpoint", "rundir", "audit"),
+    ("nonfinite", "logwindow"),  # what watches the training loop: non-finite steps, the logging window
     ("trainer", "plan", "export"),  # the loop; the dry run; HF export
     ("bench", "launch", "parity"),  # commands' engines built on the trainer / the layout; parity
     ("report",),  # the portability report: audit + runtime audit + parity + bench
@@ -31,9 +32,25 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 
 
+KNOWN_CYCLE_EDGES: list[tuple[str, str]] = [
+    # launch/__init__.py renders jobs through its backends (imported lazily) while the backends take
+    # the shared job helpers (describe_job, job_name, ...) from launch/__init__.py; the fix is to move
+    # those helpers into a module of their own below both.
+    ("portatrain.launch.kubernetes", "portatrain.launch"),
+    ("portatrain.launch.slurm", "portatrain.launch"),
+]
+"""Module imports left out of the module-cycle search: known cycles, each to be broken (then removed)."""
+
+
 def test_portatrain_layers_point_down_without_cycles() -> None:
-    problems = layering_violations(SRC, "portatrain", LAYERS)
+    problems = layering_violations(SRC, "portatrain", LAYERS, KNOWN_CYCLE_EDGES)
     assert not problems, "\n".join(problems)
+
+
+def test_known_cycle_edges_still_exist() -> None:
+    """An exempted import that is gone must leave the list, so the exemption cannot outlive it."""
+    graph = module_graph(SRC, "portatrain")
+    assert [edge for edge in KNOWN_CYCLE_EDGES if edge[1] not in graph.get(edge[0], set())] == []
 
 
 def test_config_is_a_leaf_and_models_know_no_stage() -> None:
@@ -102,3 +119,44 @@ def test_checker_catches_a_sibling_import_and_an_unlisted_component(tmp_path: Pa
     problems = layering_violations(pkg, "pkg", [("a", "b"), ("__init__",)])
     assert any("a and b share layer 0" in p for p in problems)
     assert any("component 'c' is not in the layer table" in p for p in problems)
+
+
+def test_checker_catches_a_cycle_inside_a_package(tmp_path: Path) -> None:
+    """Two modules of one component importing each other (one lazily), and a submodule taking a
+    name from its package's ``__init__`` that imports it back: both are cycles between modules."""
+    files = {
+        "__init__.py": "",
+        "config.py": "X = 1\n",
+        "models/__init__.py": "from pkg.models.runtime import install\n",
+        "models/runtime.py": "from pkg.models import inductor\ndef install():\n    pass\n",
+        "models/inductor.py": "def compile_fx():\n    from .runtime import install\n",
+        "trainer.py": "from pkg.models import install\n",
+    }
+    layers = [*SYNTHETIC_LAYERS, ("__init__",)]
+    problems = layering_violations(_write(tmp_path / "a", files), "pkg", layers)
+    assert problems == [
+        "import cycle between modules: pkg.models.runtime -> pkg.models.inductor -> pkg.models.runtime"
+    ]
+    files["models/inductor.py"] = "def compile_fx():\n    pass\n"
+    files["models/runtime.py"] = "from pkg.models import VERSION\ndef install():\n    pass\n"
+    files["models/__init__.py"] = "VERSION = 1\nfrom pkg.models.runtime import install\n"
+    problems = layering_violations(_write(tmp_path / "b", files), "pkg", layers)
+    assert problems == ["import cycle between modules: pkg.models -> pkg.models.runtime -> pkg.models"]
+    # The same edge, exempted, is no cycle (how a known cycle waits for its fix).
+    exempt = [("pkg.models.runtime", "pkg.models")]
+    assert layering_violations(_write(tmp_path / "b", files), "pkg", layers, exempt) == []
+
+
+def test_importing_a_sibling_through_the_package_is_no_cycle(tmp_path: Path) -> None:
+    """``from pkg.models import runtime`` runs ``pkg/models/__init__.py`` first, as every import of a
+    submodule does, but depends on ``runtime`` only: no cycle with an ``__init__`` that imports it."""
+    files = {
+        "__init__.py": "",
+        "config.py": "",
+        "models/__init__.py": "from pkg.models.adapter import Adapter\n",
+        "models/adapter.py": "class Adapter:\n    def load(self):\n        from pkg.models import runtime\n",
+        "models/runtime.py": "from . import counters\n",
+        "models/counters.py": "",
+        "trainer.py": "",
+    }
+    assert layering_violations(_write(tmp_path, files), "pkg", [*SYNTHETIC_LAYERS, ("__init__",)]) == []

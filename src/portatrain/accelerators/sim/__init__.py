@@ -13,11 +13,16 @@ Modules (importing this package installs nothing; only :func:`runtime.install` c
 * ``runtime``: :func:`install` — build or load the extension, rename PrivateUse1, ``torch.sim``.
 * ``counters``: host-sync/fallback counters, ``expect_no_sync_or_fallback()``, ``take()``.
 * ``distributed``: the ``simccl`` process-group backend (gloo over CPU aliases of device memory).
+* ``inductor``: the ``sim_inductor`` compile backend (inductor's CPU code generator on sim memory).
+* ``settings``: the device's name and its environment settings, checked before anything is installed.
+* ``errors``: its user errors (a bad setting, out of memory, an unsupported op hit under ``error``),
+  which the CLI prints as one line.
 * ``_build``: the cached JIT build of ``csrc/``.
 
-Environment: ``SIM_DEVICE_COUNT`` (devices, default 4), ``SIM_MEMORY_CAPACITY`` (per device, e.g.
-``512MiB``; unset = unlimited), ``SIM_COUNTERS_MODE`` (``count``/``warn``/``raise``),
+Environment: ``SIM_DEVICE_COUNT`` (devices, 1 to 64, default 4), ``SIM_MEMORY_CAPACITY`` (per
+device, e.g. ``512MiB``; unset = unlimited), ``SIM_COUNTERS_MODE`` (``count``/``warn``/``raise``),
 ``SIM_UNSUPPORTED_OPS`` and ``SIM_UNSUPPORTED_ACTION``, ``PORTATRAIN_SIM_BUILD_DIR`` (build cache).
+A bad value is one error naming the variable and its fix (:mod:`.settings`).
 
 Impersonation
 -------------

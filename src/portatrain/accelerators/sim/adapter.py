@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from portatrain.accelerators.base import Accelerator
+from portatrain.errors import UserError
 
 if TYPE_CHECKING:
     from portatrain.accelerators.sim.counters import Counts
@@ -27,7 +28,7 @@ class SimAccelerator(Accelerator):
     @property
     def device_type(self) -> str:  # type: ignore[override]
         """``sim``, or the impersonated name from ``PORTATRAIN_SIM_AS`` (``tpu``, ``neuron``)."""
-        from portatrain.accelerators.sim.runtime import device_name
+        from portatrain.accelerators.sim.settings import device_name
 
         return device_name()
 
@@ -47,18 +48,33 @@ class SimAccelerator(Accelerator):
         install()
 
     def unavailable_reason(self) -> str | None:
+        """Why the sim cannot be built or loaded (the install hint's case: no C++ compiler, a
+        failed build). A bad setting is not such a reason: it raises :class:`SimSettingsError`,
+        whose message carries the setting's own fix."""
         from portatrain.accelerators.sim._build import compiler_missing_reason
+        from portatrain.accelerators.sim.settings import (
+            DEVICE_COUNT_ENV,
+            SimSettingsError,
+            check_settings,
+        )
 
+        check_settings()
         reason = compiler_missing_reason()
         if reason is not None:
             return reason
         try:
             self.load()
+        except UserError:
+            raise
         except Exception as exc:  # a failed build surfaces as any exception type
             return f"building or loading the sim device failed: {type(exc).__name__}: {exc}"
         count = self.device_count()
-        if count <= self.index:
-            return f"{count} sim device(s), need index {self.index}; set SIM_DEVICE_COUNT={self.index + 1}"
+        if not 0 <= self.index < count:
+            raise SimSettingsError(
+                f"device=sim: {count} sim device(s) ({DEVICE_COUNT_ENV}), need index {self.index} "
+                f"(device.index, else LOCAL_RANK); set {DEVICE_COUNT_ENV}={self.index + 1}, "
+                f"set device.index below {count} or launch at most {count} processes per host"
+            )
         return None
 
     def device_name(self) -> str:

@@ -36,7 +36,9 @@ For tests::
         step()
 
 Modes for a whole run (:func:`set_mode` or ``SIM_COUNTERS_MODE``): ``count`` (default), ``warn``
-(one warning per key, with its stack) or ``raise`` (RuntimeError at the first offence).
+(one warning per key, with its stack) or ``raise`` (RuntimeError at the first offence, with its stack).
+An op marked unsupported with the action ``error`` raises :class:`~.errors.SimUnsupportedOpError`
+(a RuntimeError and a user error: one line naming the op and where it was called).
 Outside :func:`install` (no sim device in the process) every function here works and counts nothing.
 """
 
@@ -44,12 +46,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import traceback
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from portatrain.accelerators.sim.errors import SimUnsupportedOpError
 
 MODES = ("count", "warn", "raise")
 ACTIONS = ("count", "warn", "error")
@@ -177,7 +182,9 @@ def _on_event(key: str, first: bool) -> str | None:
     if key.startswith("fallback:"):
         op = key[len("fallback:") :]
         marked = _fallback_actions.get(op) or _fallback_actions.get(op.split(".")[0], "count")
-        action = {"count": "count", "warn": "warn", "error": "raise"}[marked]
+        if marked == "error":
+            raise SimUnsupportedOpError(_unsupported_message(key, op))
+        action = {"count": "count", "warn": "warn"}[marked]
     strict = any(s.strict and not _allowed(key, s.allow) for s in _scopes)
     if action == "raise" or strict:
         return f"[sim] {key} is not allowed here (a TPU or Trainium would stall or fall back):\n" + (
@@ -188,11 +195,32 @@ def _on_event(key: str, first: bool) -> str | None:
     return None
 
 
+def _unsupported_message(key: str, op: str) -> str:
+    """One line: the op, the innermost line of the user's code (not torch's) that called it, the fix."""
+    frames = [f for f in traceback.extract_stack() if not f.filename.endswith("counters.py")]
+    torch_module = sys.modules.get("torch")
+    torch_dir = os.path.dirname(torch_module.__file__ or "") if torch_module else None
+    own = [f for f in frames if not (torch_dir and f.filename.startswith(torch_dir + os.sep))]
+    frame = (own or frames)[-1] if frames else None
+    where = (
+        f"called from {frame.filename}:{frame.lineno} in {frame.name}"
+        if frame
+        else "called during backward (no Python stack: look in the backward of the module that produced the gradient)"
+    )
+    return (
+        f"[sim] {key}: {op} is marked unsupported with the action error ({UNSUPPORTED_ENV}, "
+        f"{UNSUPPORTED_ACTION_ENV}=error) and was {where}; avoid the op there, or set "
+        f"{UNSUPPORTED_ACTION_ENV}=count (or warn) to count its CPU fallbacks and go on"
+    )
+
+
 def _attach(ext: Any) -> None:
     """Connect to the installed extension (called by runtime.install)."""
     global _ext
     _ext = ext
     ext.set_callback(_on_event)
+    # An unsupported op under the action error raises SimUnsupportedOpError (a UserError) from
+    # inside the op; the extension lets UserErrors through with their type.
     set_mode(os.environ.get(MODE_ENV, "count"))
     ops = [op.strip() for op in os.environ.get(UNSUPPORTED_ENV, "").split(",") if op.strip()]
     if ops:

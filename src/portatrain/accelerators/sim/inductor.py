@@ -96,7 +96,7 @@ def compile_fx(gm: Any, example_inputs: Any, **kwargs: Any) -> Callable[..., Any
     """The ``sim_inductor`` dynamo backend: enable the device, then compile as inductor does."""
     from torch._inductor.compile_fx import compile_fx as inductor_compile_fx
 
-    from portatrain.accelerators.sim.runtime import device_name
+    from portatrain.accelerators.sim.settings import device_name
 
     enable(device_name())
     return inductor_compile_fx(gm, example_inputs, **kwargs)

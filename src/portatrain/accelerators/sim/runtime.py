@@ -6,7 +6,8 @@ device module with the ``torch.cuda``-like functions generic code calls (``devic
 ``synchronize``, ``manual_seed_all``, ``Stream``, ``Event``, memory statistics), adds the
 ``Tensor.sim()``/``is_sim`` helpers, applies ``SIM_MEMORY_CAPACITY`` and the unsupported-op list,
 and registers the ``simccl`` process-group backend. It changes process-global state and cannot be
-undone, which is why nothing imports this module until the device is selected.
+undone, which is why nothing imports this module until the device is selected, and why every
+setting is checked first (:mod:`.settings`): a bad one raises before anything changes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import re
 import time
 import types
 from collections.abc import Iterator
@@ -22,39 +22,10 @@ from typing import Any
 
 import torch
 
-from portatrain.accelerators.sim import _build, counters
-
-SIM_AS_ENV = "PORTATRAIN_SIM_AS"
-"""Names the device in this process: ``sim`` (default), ``tpu`` or ``neuron`` (impersonation)."""
-CAPACITY_ENV = "SIM_MEMORY_CAPACITY"
-"""Per-device memory capacity (``512MiB``, ``2GB``, ``1073741824``); unset means unlimited."""
-ALLOWED_NAMES = ("sim", "tpu", "neuron")
-
-_installed: str | None = None
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    """``"512MiB"`` -> 536870912. Raises ValueError naming the value and the accepted forms."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ValueError(
-            f"{CAPACITY_ENV}={text!r} is not a size; write bytes or a number with a unit "
-            f"({', '.join(u for u in _UNITS if u)}), e.g. 512MiB"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def device_name() -> str:
-    """The device type this process uses (or will use) for the sim: ``PORTATRAIN_SIM_AS`` or ``sim``."""
-    return _installed or os.environ.get(SIM_AS_ENV) or "sim"
-
-
-def installed() -> str | None:
-    """The name the sim was installed under in this process, or None."""
-    return _installed
+from portatrain.accelerators.sim import _build, counters, settings
+from portatrain.accelerators.sim.errors import SimOutOfMemoryError
+from portatrain.accelerators.sim.settings import CAPACITY_ENV, device_name, installed, parse_bytes
+from portatrain.errors import UserError
 
 
 def install(
@@ -74,17 +45,14 @@ def install(
     ``compile_backend`` registers a ``torch.compile`` backend of that name (``tpu``) that runs
     ``aot_eager``, and ``hardware_name`` is what ``torch.<name>.get_device_name()`` returns.
     """
-    global _installed
+    # Every setting checked before anything changes: a bad one is one error, not half a device.
+    settings.check_settings(name=name)
     name = name or device_name()
-    if name not in ALLOWED_NAMES:
-        raise ValueError(
-            f"{SIM_AS_ENV}={name!r}: the sim device can be named {', '.join(ALLOWED_NAMES)}; "
-            f"unset {SIM_AS_ENV} for the plain sim device"
-        )
-    if _installed is not None:
-        if _installed != name:
+    current_name = installed()
+    if current_name is not None:
+        if current_name != name:
             raise RuntimeError(
-                f"the sim device is already installed as {_installed!r} in this process and cannot "
+                f"the sim device is already installed as {current_name!r} in this process and cannot "
                 f"also be {name!r}: torch allows one PrivateUse1 name per process; use a new process"
             )
         _extras(name, dist_backend, compile_backend, hardware_name)
@@ -99,6 +67,10 @@ def install(
     if current != name:
         torch.utils.rename_privateuse1_backend(name)
     ext.register_hooks()
+    # Over-capacity allocations and unsupported ops hit under the action error are the user's to
+    # fix: raised with types the CLI prints as one line (and that are still torch.OutOfMemoryError
+    # and RuntimeError).
+    ext.set_error_types(UserError, SimOutOfMemoryError)
     module = _device_module(ext, name)
     torch._register_device_module(name, module)
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
@@ -111,7 +83,7 @@ def install(
     from portatrain.accelerators.sim import inductor
 
     inductor.register_lazily()
-    _installed = name
+    settings.mark_installed(name)
     _extras(name, dist_backend, compile_backend, hardware_name)
     # Autograd runs device backward on its own worker threads, which drop their last reference
     # to the finished graph task (and the Python objects it holds) just after waking the caller.

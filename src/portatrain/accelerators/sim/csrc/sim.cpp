@@ -3,7 +3,7 @@
 // What lives here, in the order a tensor meets it:
 //   * SimAllocator: a c10::DeviceAllocator over aligned malloc with per-device statistics (so
 //     the generic torch.accelerator memory API works) and an optional capacity that raises a
-//     real torch.OutOfMemoryError when exceeded.
+//     torch.OutOfMemoryError when exceeded (the Python subclass set by set_error_types).
 //   * SimGuard: device and stream guard. Execution is synchronous, so streams are ids and events
 //     are always complete; explicit synchronizes are still counted because on TPU/Trainium they
 //     stall the host.
@@ -77,11 +77,17 @@ static std::map<std::string, int64_t> g_counts;
 static std::atomic<bool> g_notify_all{false};
 static std::atomic<bool> g_counting{true};
 static PyObject* g_callback = nullptr;  // deliberately leaked: must outlive static destructors
+// Python exception types set by set_error_types (leaked likewise): an exception of g_user_error
+// raised by the callback keeps its type, and an allocation over the capacity raises g_oom_error,
+// so a user's mistake reaches the CLI as its one-line error rather than as a RuntimeError.
+static PyObject* g_user_error = nullptr;
+static PyObject* g_oom_error = nullptr;
 
 // Counts one event under `key`. On the first occurrence since the last reset (or on every
 // occurrence when Python asked for it: warn/raise modes) the Python callback gets the key; a
 // non-empty string it returns is raised here, so the error unwinds through the dispatcher and
-// the user sees a RuntimeError at the offending line.
+// the user sees a RuntimeError at the offending line. An exception of g_user_error the callback
+// raises unwinds the same way with its own Python type (torch's bindings restore it).
 static void record_event(const std::string& key) {
   if (!g_counting.load()) return;
   bool first;
@@ -96,6 +102,9 @@ static void record_event(const std::string& key) {
     PyObject* result =
         PyObject_CallFunction(g_callback, "sO", key.c_str(), first ? Py_True : Py_False);
     if (result == nullptr) {
+      if (g_user_error != nullptr && PyErr_ExceptionMatches(g_user_error)) {
+        throw pybind11::error_already_set();
+      }
       PyErr_Print();  // a broken callback must not take the op down with an opaque error
     } else {
       if (PyUnicode_Check(result)) error = PyUnicode_AsUTF8(result);
@@ -119,29 +128,42 @@ struct Allocation {
   DeviceIndex device;
 };
 
+// g_oom_error (a subclass of torch.OutOfMemoryError) when Python set one, else c10's own.
+[[noreturn]] static void raise_out_of_memory(const std::string& message) {
+  if (g_oom_error != nullptr && Py_IsInitialized()) {
+    pybind11::gil_scoped_acquire gil;
+    PyErr_SetString(g_oom_error, message.c_str());
+    throw pybind11::error_already_set();
+  }
+  C10_THROW_ERROR(OutOfMemoryError, message);
+}
+
 class SimAllocator final : public c10::DeviceAllocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
     const DeviceIndex device = t_current_device;
+    std::string out_of_memory;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto& stats = stats_[device];
       const int64_t allocated = stats.allocated_bytes[0].current;
       if (capacity_ > 0 && static_cast<int64_t>(nbytes) + allocated > capacity_) {
         stats.num_ooms += 1;
-        TORCH_CHECK_WITH(
-            OutOfMemoryError, false, "sim out of memory on device ", static_cast<int>(device),
-            ". Tried to allocate ", mib(nbytes), "; ", mib(allocated), " already allocated of ",
-            mib(capacity_), " capacity. Reduce the micro-batch or sequence length, shard over more "
-            "devices, or raise SIM_MEMORY_CAPACITY.");
+        out_of_memory = c10::str(
+            "sim out of memory on device ", static_cast<int>(device), ". Tried to allocate ",
+            mib(nbytes), "; ", mib(allocated), " already allocated of ", mib(capacity_),
+            " capacity (SIM_MEMORY_CAPACITY). Reduce the micro-batch or sequence length, shard over "
+            "more devices, or raise SIM_MEMORY_CAPACITY.");
+      } else {
+        for (auto* s : {&stats.allocated_bytes, &stats.reserved_bytes, &stats.active_bytes,
+                        &stats.requested_bytes}) {
+          (*s)[0].increase(nbytes);
+        }
+        for (auto* s : {&stats.allocation, &stats.segment, &stats.active}) (*s)[0].increase(1);
+        stats.num_device_alloc += 1;
       }
-      for (auto* s : {&stats.allocated_bytes, &stats.reserved_bytes, &stats.active_bytes,
-                      &stats.requested_bytes}) {
-        (*s)[0].increase(nbytes);
-      }
-      for (auto* s : {&stats.allocation, &stats.segment, &stats.active}) (*s)[0].increase(1);
-      stats.num_device_alloc += 1;
     }
+    if (!out_of_memory.empty()) raise_out_of_memory(out_of_memory);  // outside the lock: takes the GIL
     void* data = nullptr;
     if (nbytes > 0) {
       // 64-byte alignment: CPU kernels vectorize on it, as they do for CPU tensors.
@@ -782,6 +804,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       Py_INCREF(g_callback);
     }
     Py_XDECREF(old);
+  });
+  m.def("set_error_types", [](pybind11::object user_error, pybind11::object oom_error) {
+    for (auto [slot, type] : {std::pair{&g_user_error, user_error}, std::pair{&g_oom_error, oom_error}}) {
+      PyObject* old = *slot;
+      *slot = type.is_none() ? nullptr : type.ptr();
+      Py_XINCREF(*slot);
+      Py_XDECREF(old);
+    }
   });
   m.def("set_notify_all", [](bool v) { g_notify_all = v; });
   m.def("set_counting", [](bool v) { g_counting = v; });
