@@ -1,8 +1,15 @@
 """``portatrain [COMMAND] [args...]``: pick the command, compose and validate the config, run it.
 
 Thin on purpose: the commands live in ``portatrain.commands`` (one module each, see there for how to
-add one), validation in ``portatrain.validate``. ``train`` is the default command. Every error the
-user must fix derives from :class:`~portatrain.errors.UserError` and is printed as one line.
+add one), validation in ``portatrain.validate``. ``train`` is the default command.
+
+One error path for every command (:func:`_report_user_errors`): an error the user must fix -- a
+:class:`~portatrain.errors.UserError`, or an ``OSError`` of the file system such as a read-only or
+full disk, a file where a directory belongs or a missing parent (``portatrain.errors.file_system_error``)
+-- is printed as one line, ``portatrain COMMAND: error: ...``, and the process exits with status 2;
+a run directory the command left empty is removed again. Anything else is a bug and keeps its
+traceback. Secrets are redacted in the config Hydra prints (``--cfg job|hydra|all``), as in every
+config portatrain writes (``portatrain.redact``).
 """
 
 from __future__ import annotations
@@ -10,13 +17,16 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, open_dict
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from portatrain.commands import (
     COMMANDS,
@@ -28,7 +38,8 @@ from portatrain.commands import (
     uses_hydra,
 )
 from portatrain.config import register_configs
-from portatrain.errors import ConfigError, UserError
+from portatrain.errors import ConfigError, UserError, file_system_error
+from portatrain.redact import redact
 
 
 def config_dir() -> str:
@@ -37,21 +48,38 @@ def config_dir() -> str:
     return str(packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "conf")
 
 
+class _Abort(BaseException):
+    """A user error raised inside Hydra's own machinery (a callback), which would print any
+    ``Exception`` with a traceback: carried out of it to :func:`_report_user_errors`."""
+
+    def __init__(self, error: UserError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def _report_user_errors(command: str, fn: Callable[[], object]) -> object:
-    """Run ``fn``; a :class:`UserError` becomes one line on stderr and exit 2 (anything else is a bug
-    and keeps its traceback). Ctrl-C outside training (which saves and stops on its own) exits 130
-    without a traceback."""
+    """Run ``fn``; a :class:`UserError`, or an ``OSError`` the user fixes (read-only or full file
+    system, a file where a directory belongs, a missing parent...), becomes one line on stderr and
+    exit 2 (anything else is a bug and keeps its traceback). Ctrl-C outside training (which saves and
+    stops on its own) exits 130 without a traceback."""
     try:
         return fn()
+    except _Abort as abort:
+        error = abort.error
     except UserError as exc:
-        # Under torchrun every rank validates the same config and agrees on checkpoint errors: print
-        # such an error once (rank 0). An error of one rank's own (its device...) is printed by it.
-        if os.environ.get("RANK", "0") == "0" or not _same_on_every_rank(exc):
-            print(f"portatrain {command}: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        error = exc
     except KeyboardInterrupt:
         print(f"portatrain {command}: interrupted", file=sys.stderr)
         sys.exit(130)
+    except Exception as exc:
+        error = file_system_error(exc)
+        if error is None:
+            raise
+    # Under torchrun every rank validates the same config and agrees on checkpoint errors: print such
+    # an error once (rank 0). An error of one rank's own (its device, its disk...) is printed by it.
+    if os.environ.get("RANK", "0") == "0" or not _same_on_every_rank(error):
+        print(f"portatrain {command}: error: {error}", file=sys.stderr)
+    sys.exit(2)
 
 
 def _same_on_every_rank(exc: UserError) -> bool:
@@ -86,6 +114,48 @@ def _remove_if_empty(run_dir: str) -> None:
         folder = folder.parent
 
 
+class MakeOutputDirectory(Callback):
+    """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``): make the run (or sweep) directory
+    before Hydra does, so that a path that cannot be made -- read-only, a file in the way, no
+    permission -- is one line through :func:`_report_user_errors`, not Hydra's traceback."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _make_directory(config.hydra.run.dir)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _make_directory(config.hydra.sweep.dir)
+
+
+def _make_directory(path: str) -> None:
+    try:
+        Path(str(path)).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        error = file_system_error(exc)
+        if error is None:
+            raise
+        raise _Abort(error) from None
+
+
+@contextmanager
+def _redacted_config_printing() -> Iterator[None]:
+    """Hydra prints ``--cfg job|hydra|all`` (and ``--help``/``--info``) itself, through
+    ``Hydra.get_sanitized_cfg``; Hydra 1.3 has no hook there, so that method is wrapped while Hydra
+    runs: what it prints hides secrets as ``config.yaml`` does. It is not used to run a job."""
+    from hydra._internal.hydra import Hydra
+
+    original = Hydra.get_sanitized_cfg
+
+    def sanitized(self: Hydra, cfg: DictConfig, cfg_type: str) -> DictConfig:
+        clean = original(self, cfg, cfg_type)
+        return OmegaConf.create(redact(clean, resolve=False), flags={"allow_objects": True})
+
+    Hydra.get_sanitized_cfg = sanitized  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Hydra.get_sanitized_cfg = original  # type: ignore[method-assign]
+
+
 def _run(command: str, module: ModuleType, cfg: DictConfig, trainer_cls: type | None) -> None:
     from portatrain.validate import validate
 
@@ -110,8 +180,12 @@ def _expand_shorthand(keys: dict[str, str], arg: str) -> str:
     return f"{keys[key]}={value}" if sep and key in keys else arg
 
 
-def main(trainer_cls: type | None = None) -> None:
-    """Entry point. Research code passes its ``Trainer`` subclass: ``main(trainer_cls=MyTrainer)``."""
+def main(trainer_cls: type | None = None, argv: list[str] | None = None) -> None:
+    """Entry point. Research code passes its ``Trainer`` subclass: ``main(trainer_cls=MyTrainer)``;
+    ``argv`` (default ``sys.argv[1:]``) is the command line after ``portatrain``. Exits (``SystemExit``)
+    on errors, with status 2 for one the user fixes."""
+    if argv is not None:
+        sys.argv[1:] = argv  # Hydra reads its command line from sys.argv
     command = DEFAULT_COMMAND
     if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
         command = sys.argv.pop(1)
@@ -130,7 +204,9 @@ def main(trainer_cls: type | None = None) -> None:
         finally:
             _remove_if_empty(HydraConfig.get().runtime.output_dir)
 
-    hydra.main(config_path=config_dir(), config_name="config", version_base=None)(portatrain)()
+    app = hydra.main(config_path=config_dir(), config_name="config", version_base=None)(portatrain)
+    with _redacted_config_printing():
+        _report_user_errors(command, app)
 
 
 if __name__ == "__main__":

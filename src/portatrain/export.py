@@ -26,13 +26,14 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from portatrain.checkpoint import CheckpointError, complete_checkpoints, inspect_checkpoint, safe_reader
 from portatrain.checkpoint.common import root_causes, short_cause
 from portatrain.config import ExportConfig
-from portatrain.dtypes import DTYPE_NAMES, DTYPES
+from portatrain.dtypes import DTYPE_NAMES, DTYPES, dtype_problem
 from portatrain.errors import ConfigError
 from portatrain.models import SPECS
 
@@ -76,7 +77,21 @@ def parse_size(size: str | int) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
     if match is None or match.group(2).upper() not in _UNITS:
         raise ConfigError(f"export.max_shard_size={size!r} is not a size like 5GB, 500MB, 2GiB or 1000000")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    parsed = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    if parsed < 1:
+        # 0 would put every tensor in a shard of its own: hundreds of files, surely not what was meant.
+        raise ConfigError(f"export.max_shard_size={size} must be at least 1 byte, e.g. 5GB or 500MB")
+    return parsed
+
+
+def export_problems(export: ExportConfig) -> list[str]:
+    """The problems of an ``export`` config, each with its fix (for ``portatrain.validate``)."""
+    problems = dtype_problem("export.dtype", export.dtype)
+    try:
+        parse_size(export.max_shard_size)
+    except ConfigError as exc:
+        problems.append(str(exc))
+    return problems
 
 
 def export_hf(checkpoint: Path, out: Path, *, max_shard_size: int, dtype: str = "float32") -> Path:
@@ -125,59 +140,73 @@ def export_hf(checkpoint: Path, out: Path, *, max_shard_size: int, dtype: str = 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    weight_map: dict[str, str] = {}
-    for i, shard in enumerate(shards, start=1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {
-            key: torch.empty(
-                metadata.state_dict_metadata[f"model.{key}"].size,
-                dtype=metadata.state_dict_metadata[f"model.{key}"].properties.dtype,
-            )
-            for key in shard
-        }
-        try:
-            dcp.load({"model": tensors}, storage_reader=safe_reader(str(checkpoint)))
-        except (Exception, dcp.CheckpointException) as exc:  # the latter is a BaseException
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(
-                f"reading checkpoint {checkpoint} failed ({short_cause(root_causes(exc)[0])}); a *.distcp "
-                "file was overwritten or damaged -- export an earlier step_* directory"
-            ) from None
-        bad = [key for key, value in tensors.items() if not bool(torch.isfinite(value).all())]
-        if bad:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(
-                f"checkpoint {checkpoint} holds non-finite (NaN/inf) weights in model.{', model.'.join(bad[:4])}"
-                f"{' and more' if len(bad) > 4 else ''}; not exporting them. Export an earlier step_* "
-                "directory (training stops before saving non-finite weights: this checkpoint was made "
-                "otherwise)"
-            )
-        hf = {k: v.to(target).contiguous() for k, v in spec.hf.to_hf(tensors).items()}
-        save_file(hf, str(tmp / name), metadata={"format": "pt"})
-        _share_mode(tmp / name)
-        weight_map.update(dict.fromkeys(hf, name))
-        del tensors, hf
+    try:
+        weight_map: dict[str, str] = {}
+        for i, shard in enumerate(shards, start=1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            tensors = {
+                key: torch.empty(
+                    metadata.state_dict_metadata[f"model.{key}"].size,
+                    dtype=metadata.state_dict_metadata[f"model.{key}"].properties.dtype,
+                )
+                for key in shard
+            }
+            try:
+                dcp.load({"model": tensors}, storage_reader=safe_reader(str(checkpoint)))
+            except (Exception, dcp.CheckpointException) as exc:  # the latter is a BaseException
+                raise CheckpointError(
+                    f"reading checkpoint {checkpoint} failed ({short_cause(root_causes(exc)[0])}); a *.distcp "
+                    "file was overwritten or damaged -- export an earlier step_* directory"
+                ) from None
+            bad = [key for key, value in tensors.items() if not bool(torch.isfinite(value).all())]
+            if bad:
+                raise CheckpointError(
+                    f"checkpoint {checkpoint} holds non-finite (NaN/inf) weights in model.{', model.'.join(bad[:4])}"
+                    f"{' and more' if len(bad) > 4 else ''}; not exporting them. Export an earlier step_* "
+                    "directory (training stops before saving non-finite weights: this checkpoint was made "
+                    "otherwise)"
+                )
+            hf = {k: v.to(target).contiguous() for k, v in spec.hf.to_hf(tensors).items()}
+            _save_safetensors(save_file, hf, tmp / name)
+            _share_mode(tmp / name)
+            weight_map.update(dict.fromkeys(hf, name))
+            del tensors, hf
 
-    tokenizer = build_tokenizer(state.get("tokenizer", "byte"))
-    config = {
-        **spec.hf.config(args, torch_dtype=dtype),
-        "bos_token_id": tokenizer.bos_id,
-        "eos_token_id": tokenizer.eos_id,
-        "pad_token_id": tokenizer.pad_id,
-    }
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    # The tokenizer's own files next to the weights: AutoTokenizer.from_pretrained(out) just works.
-    copy_tokenizer_files(state.get("tokenizer", "byte"), tmp)
-    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    _share_mode(tmp, directory=True)
-    if out.exists():
-        out.rmdir()  # empty (checked above)
-    tmp.rename(out)
+        tokenizer = build_tokenizer(state.get("tokenizer", "byte"))
+        config = {
+            **spec.hf.config(args, torch_dtype=dtype),
+            "bos_token_id": tokenizer.bos_id,
+            "eos_token_id": tokenizer.eos_id,
+            "pad_token_id": tokenizer.pad_id,
+        }
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        # The tokenizer's own files next to the weights: AutoTokenizer.from_pretrained(out) just works.
+        copy_tokenizer_files(state.get("tokenizer", "byte"), tmp)
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        _share_mode(tmp, directory=True)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed export leaves no partial directory
+        raise
     logger.debug(
         "exported step %s: %d shard(s), %.1f MB", state["step"], len(shards), sum(sizes.values()) / 1e6
     )
     return out
+
+
+def _save_safetensors(save_file: Any, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``save_file``, whose I/O errors (a full or read-only disk) are a ``SafetensorError`` carrying
+    only text ("... (os error 28)"): raised as the ``OSError`` they are, so the CLI reports them."""
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except Exception as exc:
+        code = re.search(r"\(os error (\d+)\)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from exc
 
 
 def _share_mode(path: Path, *, directory: bool = False) -> None:

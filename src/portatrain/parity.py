@@ -18,6 +18,7 @@ off), debug-to-small models (every activation of a step is kept on the host).
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,10 +222,18 @@ def run_parity(
         raise UserError(f"parity needs at least one step, got trainer.steps={steps}")
     root = Path(cfg.run_dir) / "parity"
     target_device = str(cfg.device.type)
+    fresh = not root.exists()
     reference = trainer_cls(_derived(cfg, "cpu", root / "cpu", reference=True))
     # Each Trainer locks its run directory: device=cpu (a self-check) gets a directory of its own.
     target_dir = root / (target_device if target_device != "cpu" else "cpu-target")
-    target = trainer_cls(_derived(cfg, target_device, target_dir, reference=False))
+    try:
+        target = trainer_cls(_derived(cfg, target_device, target_dir, reference=False))
+    except BaseException:
+        # No comparison ran (the device is missing, its config is wrong...): leave nothing behind.
+        reference.close()
+        if fresh:
+            shutil.rmtree(root, ignore_errors=True)
+        raise
     try:
         # The target starts from the reference's weights, whatever its own initialization drew.
         target.model.load_state_dict(reference.model.state_dict())

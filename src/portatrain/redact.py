@@ -1,16 +1,32 @@
-"""Keep secrets out of files and logs: values whose keys look like tokens, keys or passwords are redacted.
+"""Keep secrets out of files and logs: values redacted by the name of their key and by their own shape.
 
-A run's config is written to ``<run_dir>/config.yaml`` and into every checkpoint, and launch
-templates render it into job files -- all readable by whoever can read the run directory. Secrets
-do reach the config (``+parallel.launch.env.HF_TOKEN=...``, a W&B key), so everything that writes a
-config to disk or to a log goes through :func:`redact` / :func:`redacted_yaml`: the value of each
-key that names a secret becomes ``"***"``; the structure and every other value stay as they are.
+A run's config is written to ``<run_dir>/config.yaml`` and into every checkpoint, launch templates
+render it into job files, and ``--cfg job`` prints it -- all readable by whoever reads the run
+directory or the log. Secrets do reach the config (``+parallel.launch.env.HF_TOKEN=...``, a W&B key),
+so everything that writes a config to disk or to a log goes through :func:`redact` /
+:func:`redacted_yaml`; the structure and every other value stay as they are. Two rules, either one
+enough:
 
-A key names a secret when one of its ``_``/``-``/``.``-separated words (or a camelCase word) is a
-secret word (``token``, ``secret``, ``password``, ``passwd``, ``pwd``, ``apikey``, ``credential(s)``,
-``auth``, ``private``), or it ends in ``key`` with a qualifier (``API_KEY``, ``access_key``,
-``SECRET_ACCESS_KEY``; not a bare ``key``, nor ``keep``). ``max_tokens``-like counters are not
-secrets: numbers and booleans are never redacted.
+* **The key names a secret** (:func:`is_secret_key`): one of its ``_``/``-``/``.``-separated words (or
+  camelCase words) is a secret word -- ``token``, ``secret``, ``password``, ``passwd``, ``pass``,
+  ``pwd``, ``pat`` (a personal access token), ``apikey``, ``credential(s)``, ``auth``, ``private``,
+  ``passphrase`` -- or the key ends in ``key`` with a qualifier (``API_KEY``, ``access_key``,
+  ``SECRET_ACCESS_KEY``; not a bare ``key``, nor ``KEY_VALUE_HEADS``). Whole words only: ``PATH``,
+  ``tokenizer``, ``max_shard_size`` and ``passes`` are not secrets, and numbers and booleans
+  (``max_tokens: 4096``) are never redacted.
+* **The value looks like a credential** (:func:`find_secrets`), whatever its key: the published
+  shapes of GitHub tokens (``ghp_``, ``gho_``, ``ghu_``, ``ghs_``, ``ghr_``, ``github_pat_``), Hugging
+  Face tokens (``hf_``), AWS access key ids (``AKIA``/``ASIA`` + 16), JSON Web Tokens
+  (``eyJ...``.``...``.``...``), OpenAI (``sk-``), Slack (``xox?-``), GitLab (``glpat-``) and Google API
+  keys (``AIza``), PEM private keys, the password of a ``scheme://user:password@host`` URL, and a
+  ``SECRET_NAME=value`` assignment inside a string (an override or a shell line). Only the
+  credential is replaced, so ``export HF_TOKEN=hf_...`` still reads as what it was.
+
+The shapes are the vendors' documented prefixes (GitHub:
+https://github.blog/2021-04-05-behind-githubs-new-authentication-token-formats/; AWS:
+https://docs.aws.amazon.com/IAM/latest/UserGuide/reference_identifiers.html#identifiers-unique-ids;
+JWT: RFC 7519), and the patterns ask for the lengths those tokens have, so hashes, paths and run ids
+do not match.
 """
 
 from __future__ import annotations
@@ -26,34 +42,94 @@ _SECRET_WORDS = {
     "secret",
     "password",
     "passwd",
+    "pass",
     "pwd",
+    "pat",
     "apikey",
+    "apitoken",
+    "accesstoken",
+    "authtoken",
     "credential",
     "credentials",
     "auth",
     "private",
+    "privatekey",
+    "secretkey",
     "passphrase",
 }
 
+_TOKEN_SHAPES = re.compile(
+    "|".join(
+        (
+            r"\bgh[pousr]_[A-Za-z0-9]{30,}",  # GitHub classic tokens (36 characters after the prefix)
+            r"\bgithub_pat_[A-Za-z0-9_]{22,}",  # GitHub fine-grained personal access tokens
+            r"\bhf_[A-Za-z0-9]{30,}",  # Hugging Face (34 after the prefix)
+            r"\b(?:AKIA|ASIA)[A-Z0-9]{16}\b",  # AWS access key ids
+            r"\beyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}",  # JWTs: base64url '{"' ...
+            r"\bsk-(?:proj-|ant-)?[A-Za-z0-9_-]{20,}",  # OpenAI / Anthropic API keys
+            r"\bxox[abprs]-[A-Za-z0-9-]{10,}",  # Slack
+            r"\bglpat-[A-Za-z0-9_-]{20,}",  # GitLab personal access tokens
+            r"\bAIza[0-9A-Za-z_-]{35}",  # Google API keys
+            r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?(?:-----END [A-Z ]*PRIVATE KEY-----|$)",
+        )
+    )
+)
+_URL_PASSWORD = re.compile(r"(?P<head>\b[a-z][a-z0-9+.-]*://[^\s:/@]+:)(?P<secret>[^\s@/]+)(?=@)")
+_ASSIGNMENT = re.compile(r"(?P<key>[A-Za-z_][A-Za-z0-9_.-]*)=(?P<value>\"[^\"]*\"|'[^']*'|[^\s;&|]+)")
+
 
 def is_secret_key(key: object) -> bool:
-    """Whether a config key names a secret (see the module docstring)."""
+    """Whether a config key (``HF_TOKEN``, ``parallel.launch.env.GITHUB_PAT``) names a secret."""
     if not isinstance(key, str):
         return False
-    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", key)  # camelCase -> camel_Case
-    words = [w for w in re.split(r"[_\-.\s]+", spaced.lower()) if w]
+    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", key.rsplit(".", 1)[-1])  # camelCase -> camel_Case
+    words = [w for w in re.split(r"[_\-\s]+", spaced.lower()) if w]
     if any(w in _SECRET_WORDS for w in words):
         return True
     return len(words) >= 2 and words[-1] in ("key", "keys")
 
 
-def redact(value: Any) -> Any:
-    """A copy of ``value`` (nested dicts/lists, or a DictConfig) with secret values replaced by ``***``."""
+def find_secrets(text: str) -> list[str]:
+    """The credentials in ``text`` (token shapes, URL passwords, secret assignments), in order."""
+    found = [m.group(0) for m in _TOKEN_SHAPES.finditer(text)]
+    found += [m.group("secret") for m in _URL_PASSWORD.finditer(text)]
+    found += [m.group("value") for m in _ASSIGNMENT.finditer(text) if _secret_assignment(m)]
+    return found
+
+
+def _secret_assignment(m: re.Match[str]) -> bool:
+    """``NAME=value`` with a secret NAME and a literal value (``"${HF_TOKEN}"`` reads the environment:
+    nothing to hide; ``***`` is already hidden)."""
+    value = m.group("value").strip("'\"")
+    return is_secret_key(m.group("key").lstrip("+~")) and value not in ("", REDACTED) and value[0] != "$"
+
+
+def is_secret(key: object, value: object) -> bool:
+    """Whether ``key: value`` holds a secret by either rule (a text value under a secret key, or a
+    value that looks like a credential)."""
+    if not _is_text(value):
+        return False
+    return is_secret_key(key) or bool(find_secrets(str(value)))
+
+
+def redact_text(text: str) -> str:
+    """``text`` with every credential :func:`find_secrets` sees replaced by ``***``."""
+    text = _TOKEN_SHAPES.sub(REDACTED, text)
+    text = _URL_PASSWORD.sub(lambda m: m.group("head") + REDACTED, text)
+
+    return _ASSIGNMENT.sub(
+        lambda m: f"{m.group('key')}={REDACTED}" if _secret_assignment(m) else m.group(0), text
+    )
+
+
+def redact(value: Any, *, resolve: bool = True) -> Any:
+    """A copy of ``value`` (nested dicts/lists, or a DictConfig; interpolations resolved unless
+    ``resolve=False``) with secret values replaced by ``***``."""
     try:
         from omegaconf import DictConfig, ListConfig, OmegaConf
 
         if isinstance(value, (DictConfig, ListConfig)):
-            value = OmegaConf.to_container(value, resolve=True)
+            value = OmegaConf.to_container(value, resolve=resolve)
     except ImportError:  # pragma: no cover - omegaconf is a core dependency
         pass
     return _redact(value)
@@ -64,6 +140,8 @@ def _redact(value: Any) -> Any:
         return {k: (REDACTED if is_secret_key(k) and _is_text(v) else _redact(v)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_redact(v) for v in value]
+    if isinstance(value, str):
+        return redact_text(value)
     return value
 
 
@@ -71,11 +149,19 @@ def _is_text(value: Any) -> bool:
     return isinstance(value, str) and value != ""
 
 
-def redacted_yaml(cfg: Any) -> str:
-    """``cfg`` as YAML (resolved), secrets redacted: what portatrain writes to ``config.yaml`` files."""
+def redacted_yaml(cfg: Any, *, resolve: bool = True) -> str:
+    """``cfg`` as YAML, secrets redacted: what portatrain writes to ``config.yaml`` files."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_yaml(OmegaConf.create(redact(cfg)))
+    return OmegaConf.to_yaml(OmegaConf.create(redact(cfg, resolve=resolve)))
 
 
-__all__ = ["REDACTED", "is_secret_key", "redact", "redacted_yaml"]
+__all__ = [
+    "REDACTED",
+    "find_secrets",
+    "is_secret",
+    "is_secret_key",
+    "redact",
+    "redact_text",
+    "redacted_yaml",
+]

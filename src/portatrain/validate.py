@@ -17,6 +17,7 @@ from portatrain.config import CheckpointConfig, Config, DataConfig, TrainerConfi
 from portatrain.data.config import config_problems as data_problems
 from portatrain.dtypes import dtype_problem
 from portatrain.errors import ConfigError
+from portatrain.export import export_problems
 from portatrain.kernels import config_problems as kernel_problems
 from portatrain.losses import loss_problems
 from portatrain.models import get_spec, model_args, model_problems
@@ -54,7 +55,7 @@ def config_problems(cfg: Config) -> list[str]:
     problems += bench_problems(cfg.bench)
     problems += runtime_audit_problems(cfg.audit, cfg.compile)
     problems += report_problems(cfg.report)
-    problems += dtype_problem("export.dtype", cfg.export.dtype)
+    problems += export_problems(cfg.export)
     if cfg.parallel.activation_checkpointing not in AC_MODES:
         problems.append(
             f"parallel.activation_checkpointing={cfg.parallel.activation_checkpointing!r} is not one of "

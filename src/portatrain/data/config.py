@@ -11,6 +11,7 @@ What this file does:
 from __future__ import annotations
 
 import glob
+import math
 from pathlib import Path
 from typing import Any
 
@@ -104,8 +105,14 @@ def config_problems(data: Any) -> list[str]:
             problem = dataset_problem(spec, f"data.mix[{i}].dataset")
             if problem:
                 problems.append(problem)
-            if not isinstance(weight, int | float) or not weight > 0:
-                problems.append(f"data.mix[{i}].weight={weight!r} must be a positive number")
+            if not isinstance(weight, int | float) or not (weight > 0 and math.isfinite(weight)):
+                problems.append(f"data.mix[{i}].weight={weight!r} must be a positive, finite number")
+        if str(data.dataset) != "builtin":
+            # data.mix replaces data.dataset: a dataset named beside it would be silently ignored.
+            problems.append(
+                f"data.dataset={data.dataset!r} is set together with data.mix, which replaces it; add it to "
+                f"the mix as {{dataset: {data.dataset}, weight: ...}} or drop data.mix"
+            )
     else:
         problem = dataset_problem(str(data.dataset))
         if problem:

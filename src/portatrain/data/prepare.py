@@ -28,6 +28,7 @@ import json
 import logging
 import multiprocessing
 import os
+import shutil
 import sys
 from collections import deque
 from collections.abc import Sequence
@@ -42,6 +43,7 @@ from portatrain.data.errors import DataError
 from portatrain.data.sources import FORMATS
 from portatrain.data.store import FORMAT_VERSION, MANIFEST, PreparedCorpus
 from portatrain.data.tokenizer import build_tokenizer
+from portatrain.errors import FileSystemError, UserError, file_system_error
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +102,65 @@ def prepare(
             "%s is already prepared (%d documents, %d tokens)", out, manifest["documents"], manifest["tokens"]
         )
         return manifest
+    if out.exists() and not out.is_dir():
+        raise DataError(
+            f"prepare out={out} is an existing file; prepare writes a directory there: choose a new path"
+        )
+    created = not out.exists()
+    try:
+        return _prepare_into(
+            out,
+            sources,
+            settings,
+            tokenizer,
+            dtype,
+            weights,
+            seed,
+            text_field,
+            format,
+            num_documents,
+            workers,
+            shard_chars,
+            progress,
+        )
+    except BaseException as exc:
+        complete = _discard_partial(out, created=created)
+        error = file_system_error(exc) if isinstance(exc, Exception) else None
+        if error is None:
+            raise
+        kept = f"; {complete} complete shard(s) stay there and the same command resumes" if complete else ""
+        raise FileSystemError(f"prepare out={out}: {error}{kept}") from None
+
+
+def _discard_partial(out: Path, *, created: bool) -> int:
+    """After a failed or interrupted prepare: remove half-written files (``*.tmp``), and ``out`` itself
+    when this call created it and no shard was completed; return the number of complete shards (kept:
+    a re-run resumes after them)."""
+    if not out.is_dir():
+        return 0
+    for tmp in out.glob("*.tmp"):
+        tmp.unlink(missing_ok=True)
+    complete = len(list(out.glob("shard_*.json")))
+    if created and not complete:
+        shutil.rmtree(out, ignore_errors=True)
+    return complete
+
+
+def _prepare_into(
+    out: Path,
+    sources: Sequence[str],
+    settings: dict[str, Any],
+    tokenizer: str,
+    dtype: np.dtype,
+    weights: Sequence[float] | None,
+    seed: int,
+    text_field: str,
+    format: str,
+    num_documents: int,
+    workers: int,
+    shard_chars: int,
+    progress: bool,
+) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     settings_file = out / SETTINGS
     if settings_file.is_file():
@@ -316,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if args.verify:
             verify(args.out)
-    except DataError as exc:
+    except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(

@@ -99,6 +99,9 @@ class PreparedCorpus:
         self.first_doc = np.concatenate([[0], np.cumsum(docs)]).astype(np.int64)
         self.num_documents = int(self.first_doc[-1])
         self.num_tokens = int(manifest["tokens"])
+        # Every id the tokenizer can produce is below this; a larger one is damage (an overwritten
+        # shard), caught at read time instead of as an index error inside the embedding.
+        self.vocab_size = int(manifest["tokenizer"]["vocab_size"])
         self.name = str(self.path)
         self.fingerprint = {
             "corpus": "prepared",
@@ -134,8 +137,19 @@ class PreparedCorpus:
             tokens = np.memmap(f"{name}.bin", dtype=self.dtype, mode="r")
             index = np.memmap(f"{name}.idx", dtype="<i8", mode="r")
             mask = np.memmap(f"{name}.mask", dtype=np.uint8, mode="r") if self.has_mask else None
+            # The index once per shard (8 bytes a document): it must rise from 0 to the token count.
+            if index[0] != 0 or index[-1] != len(tokens) or bool((np.diff(index) < 0).any()):
+                self._damaged(
+                    f"{name}.idx", "its document offsets are not ascending from 0 to the token count"
+                )
             maps = self._maps[s] = (tokens, index, mask)
         return maps
+
+    def _damaged(self, file: str, what: str) -> None:
+        raise DataError(
+            f"{file}: {what}; the prepared corpus is damaged (overwritten since it was prepared): prepare "
+            f"it again into a new directory (prepare.verify=true checks every shard against {MANIFEST})"
+        )
 
     def __getstate__(self) -> dict[str, Any]:  # memory maps are reopened in another process
         return {**self.__dict__, "_maps": {}}
@@ -156,7 +170,14 @@ class PreparedCorpus:
         tokens, index, mask = self._shard(s)
         base = int(index[doc - self.first_doc[s]])
         m = None if mask is None else mask[base + start : base + end]
-        return tokens[base + start : base + end], m
+        piece = tokens[base + start : base + end]
+        if len(piece) and int(piece.max()) >= self.vocab_size:  # a pass over tokens read anyway
+            self._damaged(
+                f"{self.path / self.shards[s]['name']}.bin",
+                f"document {doc} holds token id {int(piece.max())}, not below the tokenizer's vocabulary "
+                f"({self.vocab_size})",
+            )
+        return piece, m
 
 
 Corpus = MemoryCorpus | PreparedCorpus

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from portatrain.errors import ConfigError
-from portatrain.redact import is_secret_key
+from portatrain.redact import find_secrets, is_secret
 
 
 class SubmitError(ConfigError):
@@ -127,7 +127,7 @@ def torchrun_args(*, nnodes: int | str, nproc_per_node: int, rdzv_endpoint: str,
 
 def launch_problems(cfg: Any) -> list[str]:
     """Scheduler-specific problems of ``cfg`` (the layout itself is checked by ``validate``)."""
-    from portatrain.launch import kubernetes
+    from portatrain.launch import kubernetes, slurm
 
     launch = cfg.parallel.launch
     found = []
@@ -137,6 +137,8 @@ def launch_problems(cfg: Any) -> list[str]:
             f"parallel.launch.save_grace={grace!r} must be a whole number of seconds >= 1 (the time a "
             "checkpoint save needs; e.g. parallel.launch.save_grace=180)"
         )
+    if launch.scheduler == "slurm":
+        found += slurm.problems(cfg)
     if launch.scheduler in ("jobset", "pytorchjob"):
         found += kubernetes.problems(cfg)
     return found
@@ -152,8 +154,20 @@ def render_job(cfg: Any, overrides: Sequence[str]) -> RenderedJob:
     scheduler = cfg.parallel.launch.scheduler
     if scheduler == "slurm":
         text = slurm.render_sbatch(cfg, job_overrides(overrides))
-        return RenderedJob(text, "job.sbatch", ("sbatch",), name=job_name(cfg))
-    return kubernetes.render(cfg, overrides)
+        job = RenderedJob(text, "job.sbatch", ("sbatch",), name=job_name(cfg))
+    else:
+        job = kubernetes.render(cfg, overrides)
+    # parallel.launch.env secrets stay out of the file (see slurm/kubernetes); a credential anywhere
+    # else (an override, a setup line) would be written into it: refuse, say where secrets belong.
+    leaked = find_secrets(job.text)
+    if leaked:
+        raise ConfigError(
+            f"the rendered {scheduler} job would hold {len(leaked)} credential(s) (a token, key or "
+            "password) from the overrides or parallel.launch.setup; pass a secret as "
+            "+parallel.launch.env.NAME=VALUE instead: the job reads it from the submitting environment "
+            "(or a Kubernetes Secret), never from the file"
+        )
+    return job
 
 
 def _discard_empty_run_dir(cfg: Any, overrides: Sequence[str]) -> None:
@@ -244,7 +258,7 @@ def _submit_slurm(cfg: Any, overrides: Sequence[str], job: RenderedJob) -> Submi
     argv = ["sbatch", "--parsable"]
     # Secrets in parallel.launch.env are not in the script (see slurm._export_line): sbatch hands its
     # own environment to the job, so they travel there, in this process's environment only.
-    secrets = {k: str(v) for k, v in cfg.parallel.launch.env.items() if is_secret_key(k)}
+    secrets = {k: str(v) for k, v in cfg.parallel.launch.env.items() if is_secret(k, str(v))}
     env = {**os.environ, **secrets} if secrets else None
     if cfg.parallel.launch.output:
         path = Path(cfg.parallel.launch.output)

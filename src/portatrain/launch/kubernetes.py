@@ -68,7 +68,7 @@ from portatrain.launch import (
     describe_job,
     job_overrides,
 )
-from portatrain.redact import is_secret_key
+from portatrain.redact import is_secret
 
 PYTORCHJOB_RESOURCES = {"cuda": "nvidia.com/gpu", "neuron": "aws.amazon.com/neuron"}
 """Device type -> the extended resource a PyTorchJob pod requests."""
@@ -275,9 +275,10 @@ SECRET_NAME = "portatrain-secrets"
 
 
 def _env_var(key: str, value: str) -> dict[str, Any]:
-    """A container env entry; a secret's value is never written into the manifest but read from
+    """A container env entry; a secret's value (by its name or its shape: ``portatrain.redact.is_secret``)
+    is never written into the manifest but read from
     :data:`SECRET_NAME` (``secretKeyRef``)."""
-    if is_secret_key(key):
+    if is_secret(key, value):
         return {"name": key, "valueFrom": {"secretKeyRef": {"name": SECRET_NAME, "key": key}}}
     return {"name": key, "value": value}
 

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from portatrain.launch import describe_job, job_name, torchrun_args
-from portatrain.redact import is_secret_key
+from portatrain.redact import is_secret
 
 _JOB_ID = re.compile(r"^(\d+)(?:;\S+)?$")
 
@@ -147,6 +147,23 @@ def parse_job_id(sbatch_stdout: str) -> str:
     return match.group(1)
 
 
+_TIME_FORMATS = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}")
+"""sbatch's ``--time``: minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes
+or days-hours:minutes:seconds (https://slurm.schedmd.com/sbatch.html#OPT_time)."""
+
+
+def problems(cfg: Any) -> list[str]:
+    """What keeps ``cfg`` from rendering as an sbatch script, each with its fix."""
+    time = cfg.parallel.launch.time
+    if not time or _TIME_FORMATS.fullmatch(str(time)) or str(time).upper() in ("UNLIMITED", "INFINITE"):
+        return []
+    return [
+        f"parallel.launch.time={time!r} is not a SLURM time limit: use minutes, minutes:seconds, "
+        "hours:minutes:seconds, days-hours, days-hours:minutes or days-hours:minutes:seconds "
+        "(e.g. parallel.launch.time=24:00:00 or 2-00:00:00)"
+    ]
+
+
 def scheduler_reason(stderr: str) -> str:
     """sbatch's reason for a rejection, without its ``sbatch: error:`` prefixes."""
     lines = [re.sub(r"^sbatch: error: ", "", line).strip() for line in stderr.strip().splitlines()]
@@ -156,10 +173,11 @@ def scheduler_reason(stderr: str) -> str:
 
 
 def _export_line(key: str, value: object) -> str:
-    """``export KEY=value``; a secret (``HF_TOKEN``, ``*_KEY``, ``*PASSWORD*``...) is never written into
+    """``export KEY=value``; a secret (``HF_TOKEN``, ``*_KEY``, ``*PASSWORD*``, ``GITHUB_PAT``, or a value
+    shaped like a token: ``portatrain.redact.is_secret``) is never written into
     the script: it comes from the environment sbatch was called in (sbatch passes it on, and
     ``portatrain submit`` puts it there), and the job stops at once if it is missing."""
-    if is_secret_key(key):
+    if is_secret(key, str(value)):
         return (
             f'export {key}="${{{key}:?{key} is a secret and is not written into this script: export it in '
             f'the shell that runs sbatch}}"'
