@@ -26,6 +26,7 @@ from typing import Any
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from portatrain.commands import (
@@ -39,7 +40,7 @@ from portatrain.commands import (
 )
 from portatrain.config import register_configs
 from portatrain.errors import ConfigError, UserError, file_system_error
-from portatrain.redact import redact
+from portatrain.redact import redact, redacted_yaml
 
 
 def config_dir() -> str:
@@ -114,16 +115,29 @@ def _remove_if_empty(run_dir: str) -> None:
         folder = folder.parent
 
 
-class MakeOutputDirectory(Callback):
-    """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``): make the run (or sweep) directory
-    before Hydra does, so that a path that cannot be made -- read-only, a file in the way, no
-    permission -- is one line through :func:`_report_user_errors`, not Hydra's traceback."""
+class OutputDirectory(Callback):
+    """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``) for the directories Hydra writes.
+
+    It makes the run (or sweep) directory before Hydra does, so that a path that cannot be made --
+    read-only, a file in the way, no permission -- is one line through :func:`_report_user_errors`,
+    not Hydra's traceback. And a sweep (``-m``) records its whole config in ``multirun.yaml`` before
+    its first job starts: that file is rewritten with secrets redacted as each job starts (they are
+    on disk for no longer than Hydra takes to launch a job)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _make_directory(config.hydra.run.dir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         _make_directory(config.hydra.sweep.dir)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.hydra.mode != RunMode.MULTIRUN:
+            return
+        record = Path(str(config.hydra.sweep.dir)) / "multirun.yaml"
+        if record.is_file():
+            text = redacted_yaml(OmegaConf.load(record), resolve=False)
+            if text != record.read_text():
+                record.write_text(text)
 
 
 def _make_directory(path: str) -> None:
