@@ -1,5 +1,6 @@
-"""Helpers shared by the test suite: configs composed as the CLI composes them, a fresh-process CLI
-runner, fitting a Trainer, reading ``metrics.jsonl``, and a CPU adapter that counts host syncs.
+"""Helpers shared by the test suite: configs composed as the CLI composes them, fresh-process runners
+of the CLI (alone and under ``torchrun``), fitting a Trainer, reading ``metrics.jsonl``, and a CPU
+adapter that counts host syncs.
 
 ``tests/conftest.py`` re-exports the config helpers, so ``from tests.conftest import TINY`` keeps
 working; new tests import from here.
@@ -56,6 +57,23 @@ def run_cli(
         [sys.executable, "-m", "portatrain", *args],
         cwd=cwd,
         env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def torchrun(
+    nproc: int, args: list[str], *, cwd: Path, timeout: float = 300, torchrun_args: list[str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``python -m portatrain ARGS`` under ``torchrun --standalone`` with ``nproc`` processes."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return subprocess.run(
+        [*cmd, *(torchrun_args or []), "-m", "portatrain", *args],
+        cwd=cwd,
+        env=env,
         capture_output=True,
         text=True,
         timeout=timeout,
