@@ -137,8 +137,8 @@ def _free_port() -> int:
 
 
 # Kept to two spawns for the suite's time budget: FSDP2 x TP of the tied Llama, and Qwen 3's q/k norms
-# inside compiled, checkpointed TP blocks. Qwen 3 under FSDP2 and FSDP2 x TP through the real CLI is
-# in test_qwen3_train.py.
+# inside compiled, checkpointed TP blocks. Qwen 3 under FSDP2 x TP through the real CLI is in
+# test_qwen3_train.py, every family under FSDP2 in test_conformance.py.
 CASES = {
     "llama3-tied-fsdp2xtp2": {"name": "llama3", "tied": True, "tp": 2, "world": 4},
     # q/k norms' DTensor redistributions inside compiled, selectively checkpointed blocks.
