@@ -111,6 +111,17 @@ def test_a_bug_keeps_its_traceback(
     assert status == 1 and "Traceback" in err and "OSError: [Errno 5] Input/output error" in err
 
 
+@pytest.mark.parametrize("output", ["no/such/dir/out.sarif", "file/out.sarif"])  # missing parent; a file
+def test_argument_command_output_path_errors_are_one_line(
+    output: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "x.py").write_text("import torch\nx = torch.ones(2)\n")
+    status, err = run(["audit", "x.py", "--no-config", "--format", "sarif", "-o", output], capsys)
+    assert status == 2 and output.rsplit("/", 1)[0] in one_line_error(err, "audit")
+    nothing_left(tmp_path, "file", "x.py")
+
+
 # -- run directories (every config command) -------------------------------------------------------
 @pytest.mark.parametrize("command", ["train", "bench", "parity", "report", "submit", "render"])
 def test_run_dir_under_a_file_is_one_line(

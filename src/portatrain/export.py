@@ -15,7 +15,8 @@ What this file does:
 The export streams: it reads from the DCP checkpoint only the tensors of one output shard at a time
 (a partial ``dcp.load``), so its peak memory is about one shard, whatever the model size and however
 many ranks saved it. It needs one process and no process group. The directory is written under a
-temporary name and renamed when complete; an existing ``out`` is never overwritten.
+temporary name and renamed when complete (removed when the export fails: a full disk, a damaged
+checkpoint); an existing ``out`` is never overwritten.
 """
 
 from __future__ import annotations

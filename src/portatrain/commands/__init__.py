@@ -16,7 +16,10 @@ A command reuses the pipeline's stages and never re-implements them. Two kinds e
       def main(argv: list[str]) -> int | None: ...   # the exit status; None means 0
 
 Either kind raises a :class:`~portatrain.errors.UserError` for anything the user must fix; the
-CLI prints it as one line, with no traceback, and exits with status 2.
+CLI prints it as one line, with no traceback, and exits with status 2. An ``OSError`` of the file
+system (read-only, full, a file where a directory belongs, a missing parent) may simply propagate:
+the CLI reports it the same way, naming the path (``portatrain.errors.file_system_error``). A
+command leaves nothing half-written behind when it fails.
 
 Adding a command is one file and one line: write ``portatrain/commands/<name>.py`` as above, then
 add ``"<name>": "portatrain.commands.<name>"`` to :data:`COMMANDS`. Modules are imported only when

@@ -18,6 +18,8 @@ Layout of the output directory::
 Same input, same settings -> the same bytes, whatever the number of workers: a chunk's content and
 its shard number depend only on the input, and nothing time- or host-dependent is recorded.
 An interrupted prepare resumes: shards whose ``.json`` marker is present are not tokenized again.
+A prepare that fails or is interrupted (a full disk, Ctrl-C) removes its half-written ``*.tmp`` files,
+and the directory itself when it made it and completed no shard; completed shards stay for the resume.
 """
 
 from __future__ import annotations

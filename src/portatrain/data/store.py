@@ -4,7 +4,9 @@ What this file does:
 - ``PreparedCorpus``: a directory written by ``portatrain prepare`` (see ``prepare.py`` for the
   layout), read through memory maps. Opening it reads the manifest and nothing else, so the time to
   the first batch and the resident memory do not grow with the corpus: the operating system pages
-  in only the tokens a rank actually reads;
+  in only the tokens a rank actually reads. Damage is caught as cheaply: file sizes at opening, a
+  shard's document offsets when it is first mapped, and every token id read against the tokenizer's
+  vocabulary (the full sha256 check is ``prepare.verify=true``: it reads the whole corpus);
 - ``MemoryCorpus``: the same interface over documents held in memory (the bundled corpus, or a small
   source read whole), so both go through one loader.
 
