@@ -1,9 +1,10 @@
 """Parallelism: the layout (:class:`ParallelDims`), its ``DeviceMesh``, and the glue that applies a
 model family's parallel plan (its ``ModelSpec.parallelize``) with the config's settings.
 
-Stage order (see STYLE.md): parallel dims + mesh -> model on meta -> :func:`parallelize_model`
-(TP -> activation checkpointing -> compile -> FSDP2) -> ``to_empty`` -> init under
-:func:`full_tensor_init`.
+Stage order, as torchtitan applies it (``torchtitan/models/llama3/parallelize.py`` in
+https://github.com/pytorch/torchtitan): parallel dims + mesh -> model on meta ->
+:func:`parallelize_model` (TP -> activation checkpointing -> compile -> FSDP2) -> ``to_empty`` ->
+init under :func:`full_tensor_init`.
 
 This package sits below the models: a family's ``parallelize.py`` imports its helpers, and it
 imports no model family; the caller hands it the family's plan.
