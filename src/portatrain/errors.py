@@ -33,7 +33,7 @@ class FileSystemError(UserError, OSError):
 
 _FIXES = {
     errno.EROFS: "choose a location on a writable file system",
-    errno.ENOSPC: "free space on that device, or choose a location on another one",
+    errno.ENOSPC: "free space on the device written to, or choose a location on another one",
     errno.EDQUOT: "free space within your quota, or choose a location on another file system",
     errno.ENOTDIR: "a part of the path is a file, not a directory: choose another path",
     errno.ENOENT: "check the path (or create its parent directory)",
