@@ -60,6 +60,13 @@ class ModelConfig:
     """RMSNorm epsilon."""
     tie_embeddings: bool | None = None
     """Share the embedding matrix with the output projection."""
+    moe_dispatch: str = "auto"
+    """Mixture-of-experts families: ``dropless`` (every token reaches its experts; shapes vary with
+    the routing), ``capacity`` (a fixed number of slots per expert, overflow dropped and counted;
+    static shapes, no host sync) or ``auto``: ``capacity`` where the device's compiler wants static
+    shapes (tpu, neuron, sim impersonating them), ``dropless`` elsewhere."""
+    capacity_factor: float = 1.25
+    """``capacity`` dispatch: slots per expert = ``capacity_factor * tokens * top_k / n_experts``."""
     init_from: str | None = None
     """Local Hugging Face Llama directory (``config.json`` + safetensors) to initialize the weights
     from; each rank reads only its slices. Ignored when resuming from a checkpoint."""

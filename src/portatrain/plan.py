@@ -12,7 +12,7 @@ from portatrain.accelerators import ACCELERATORS, resolve_accelerator
 from portatrain.config import Config
 from portatrain.data.loader import has_attention_mask
 from portatrain.dtypes import dtype_from_name
-from portatrain.models import ARCH_OVERRIDES, build_model, get_spec, model_args
+from portatrain.models import ARCH_OVERRIDES, build_model, get_spec, model_args, moe_dispatch
 from portatrain.models.memory import format_memory_report
 from portatrain.parallel.parallel_dims import ParallelDims, expected_world_size
 
@@ -25,6 +25,14 @@ def training_dtype(dtype_name: str, device_type: str) -> torch.dtype:
     if device_type == "auto":
         return resolve_accelerator("auto").default_dtype
     return ACCELERATORS[device_type].default_dtype
+
+
+def static_shapes(device_type: str) -> bool:
+    """Whether the device's compiler wants static shapes (decides ``model.moe_dispatch=auto``); an
+    explicitly named device is not probed."""
+    if device_type == "auto":
+        return resolve_accelerator("auto").static_shapes
+    return ACCELERATORS[device_type].static_shapes
 
 
 def estimate_for_config(cfg: Config, *, world_size: int | None = None) -> dict[str, int]:
@@ -40,6 +48,7 @@ def estimate_for_config(cfg: Config, *, world_size: int | None = None) -> dict[s
     world = world_size if world_size is not None else expected_world_size(par, dry_run=True)
     dims = ParallelDims.from_config(par, world_size=world)
     mixed = training_dtype(cfg.trainer.dtype, cfg.device.type) == torch.bfloat16
+    dispatch = moe_dispatch(cfg.model, static_shapes=static_shapes(cfg.device.type))
     # FSDP2 mixed precision keeps fp32 sharded parameters, gradients and AdamW moments and
     # computes (all-gathers, activations) in bf16.
     return spec.estimate_memory(
@@ -55,6 +64,7 @@ def estimate_for_config(cfg: Config, *, world_size: int | None = None) -> dict[s
         activation_dtype_bytes=2 if mixed else 4,
         loss_chunk_size=cfg.trainer.loss_chunk_size if cfg.trainer.loss == "chunked" else None,
         attn_mask=has_attention_mask(cfg.data),
+        capacity_factor=cfg.model.capacity_factor if dispatch == "capacity" else None,
     )
 
 
@@ -65,6 +75,10 @@ def describe_plan(cfg: Config) -> str:
         model = build_model(cfg.model)
     n_params = sum(p.numel() for p in model.parameters())
     assert n_params == args.num_params(), (n_params, args.num_params())
+    active = args.num_params(active=True)  # a mixture of experts' token passes top_k experts only
+    experts = moe_dispatch(cfg.model, static_shapes=static_shapes(cfg.device.type))
+    if experts == "capacity":
+        experts += f" (capacity_factor {cfg.model.capacity_factor})"
 
     par = cfg.parallel
     dims = ParallelDims.from_config(par, world_size=expected_world_size(par, dry_run=True))
@@ -75,14 +89,16 @@ def describe_plan(cfg: Config) -> str:
     lines = [
         f"recipe {cfg.recipe}: {cfg.model.name} {cfg.model.flavor}"
         + (f" with {', '.join(f'{k}={v}' for k, v in custom.items())}" if custom else ""),
-        f"parameters: {n_params:,} ({n_params / 1e9:.2f}B), built on meta, nothing allocated",
+        f"parameters: {n_params:,} ({n_params / 1e9:.2f}B), built on meta, nothing allocated"
+        + (f"; active per token: {active:,} ({active / 1e9:.2f}B)" if active != n_params else ""),
         f"architecture: dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads "
         f"({args.n_kv_heads} kv, head_dim {args.head_dim}), ffn {args.ffn_dim}, vocab {args.vocab_size}",
         f"precision: {'bf16 compute, fp32 master weights/grads/optimizer' if mixed else 'fp32'}",
         f"layout: {dims.describe()}; "
         f"micro-batch {cfg.data.batch_size} x {cfg.data.seq_len} tokens per device; "
         f"activation checkpointing {par.activation_checkpointing}",
-        f"training FLOPs per token: {args.flops_per_token(cfg.data.seq_len) / 1e9:.2f} GFLOP",
+        f"training FLOPs per token: {args.flops_per_token(cfg.data.seq_len) / 1e9:.2f} GFLOP"
+        + (f" (active parameters); experts dispatched {experts}" if active != n_params else ""),
         "",
         format_memory_report(estimate, title="estimated memory per device"),
     ]

@@ -18,12 +18,14 @@ from torch import nn
 
 from portatrain.config import ModelConfig
 from portatrain.errors import ConfigError
+from portatrain.models.common.moe import DISPATCH_MODES
 from portatrain.models.llama import LLAMA3
 from portatrain.models.olmo2 import OLMO2
 from portatrain.models.qwen3 import QWEN3
+from portatrain.models.qwen3_moe import QWEN3_MOE
 from portatrain.models.spec import ModelSpec
 
-SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA3, QWEN3, OLMO2)}
+SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA3, QWEN3, OLMO2, QWEN3_MOE)}
 """Model family name (``model.name``) -> its spec. One entry per family."""
 
 ARCH_OVERRIDES: tuple[str, ...] = (
@@ -67,7 +69,7 @@ def model_args(model_cfg: ModelConfig, *, vocab_size: int | None = None):
 
 def model_problems(model_cfg: ModelConfig) -> list[str]:
     """Every problem of the ``model`` config group (the validator's model-stage check)."""
-    return _resolve(model_cfg, None)[1]
+    return _resolve(model_cfg, None)[1] + _moe_problems(model_cfg)
 
 
 def _resolve(model_cfg: ModelConfig, vocab_size: int | None):
@@ -100,6 +102,27 @@ def _resolve(model_cfg: ModelConfig, vocab_size: int | None):
     return args, problems + [f"model {where}: {problem}" for problem in args.problems()]
 
 
+def moe_dispatch(model_cfg: ModelConfig, *, static_shapes: bool) -> str:
+    """The dispatch a mixture of experts uses (``model.moe_dispatch``; ``auto`` follows the device)."""
+    if model_cfg.moe_dispatch != "auto":
+        return model_cfg.moe_dispatch
+    return "capacity" if static_shapes else "dropless"
+
+
+def _moe_problems(model_cfg: ModelConfig) -> list[str]:
+    problems = []
+    if model_cfg.moe_dispatch not in ("auto", *DISPATCH_MODES):
+        problems.append(
+            f"model.moe_dispatch={model_cfg.moe_dispatch!r} is not one of auto, {', '.join(DISPATCH_MODES)}"
+        )
+    if not model_cfg.capacity_factor > 0 or model_cfg.capacity_factor == float("inf"):
+        problems.append(
+            f"model.capacity_factor={model_cfg.capacity_factor} must be a positive number (slots per expert "
+            "per expected assignment, e.g. 1.25)"
+        )
+    return problems
+
+
 def build_model(model_cfg: ModelConfig, *, vocab_size: int | None = None) -> nn.Module:
     """Construct the model on the current default device, without initializing it.
 
@@ -110,4 +133,12 @@ def build_model(model_cfg: ModelConfig, *, vocab_size: int | None = None) -> nn.
     return get_spec(model_cfg.name).model_cls(model_args(model_cfg, vocab_size=vocab_size))
 
 
-__all__ = ["ARCH_OVERRIDES", "SPECS", "build_model", "get_spec", "model_args", "model_problems"]
+__all__ = [
+    "ARCH_OVERRIDES",
+    "SPECS",
+    "build_model",
+    "get_spec",
+    "model_args",
+    "model_problems",
+    "moe_dispatch",
+]

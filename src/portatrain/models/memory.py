@@ -104,6 +104,8 @@ class TransformerShape(Protocol):
     vocab_size: int
     qk_norm: str
 
+    def is_sparse(self, layer: int) -> bool: ...
+
     @property
     def head_dim(self) -> int: ...
 
@@ -130,6 +132,7 @@ def estimate_memory(
     activation_dtype_bytes: int | None = None,
     loss_chunk_size: int | None = None,
     attn_mask: bool = True,
+    capacity_factor: float | None = None,
 ) -> dict[str, int]:
     """Estimated bytes per device for training ``args`` with one micro-batch in flight.
 
@@ -150,6 +153,8 @@ def estimate_memory(
             None for the plain loss over full logits.
         attn_mask: the batches carry an attention mask (packing with document masks), so k/v heads
             are saved repeated; False: SDPA's grouped-query path, k/v saved unrepeated.
+        capacity_factor: a mixture of experts dispatched to fixed-capacity slots (``capacity``
+            mode) with this factor; None: dropless (see :func:`mlp_saved`).
 
     Returns:
         ``params``, ``grads``, ``optimizer``, ``fsdp_buffers``, ``activations`` and ``total``, in bytes.
@@ -194,23 +199,23 @@ def estimate_memory(
         unit = max(args.block_params, args.vocab_size * args.dim)
         fsdp_buffers = _ceil_div(unit * (2 * act_bytes + grad_dtype_bytes), tp_degree)
 
-    h, f, a = args.dim, args.ffn_dim, args.n_heads
+    h, a = args.dim, args.n_heads
     q = args.n_heads * args.head_dim
     kv = args.n_kv_heads * args.head_dim
     saved_kv = 2 * q if attn_mask else 2 * kv  # k, v as SDPA saves them
-    # The table + fp32 log-sum-exps and norm statistics.
-    per_token_layer = (4 * h + 2 * q + saved_kv + 4 * f) * act_bytes + (a + 2) * 4
-    per_token_layer += qk_norm_bytes(args, act_bytes)
+    # The table without the MLP + fp32 log-sum-exps and norm statistics; then each block's MLP.
+    attention = (4 * h + 2 * q + saved_kv) * act_bytes + (a + 2) * 4 + qk_norm_bytes(args, act_bytes)
+    mlps = [mlp_saved(args, layer, capacity_factor) for layer in range(args.n_layers)]
+    per_layer = [attention + saved * act_bytes + fp32 * 4 for saved, fp32, _ in mlps]
     # Per token: what the blocks keep until backward, and what one block's recomputation holds
     # meanwhile (checkpointing only; it happens after the output head's buffers are freed).
-    recompute = per_token_layer
+    recompute = max(per_layer)
     if activation_checkpointing == "none":
-        per_token_blocks, recompute = args.n_layers * per_token_layer, 0
+        per_token_blocks, recompute = sum(per_layer), 0
     elif activation_checkpointing == "full":
         per_token_blocks = args.n_layers * h * act_bytes
-    else:  # selective
-        kept = (h + q + (q + 2 * h + 2 * kv + 2 * f) // 2) * act_bytes + a * 4
-        per_token_blocks = args.n_layers * kept
+    else:  # selective: half of the matmul outputs (q, o, k, v and the MLP's)
+        per_token_blocks = sum((h + q + (q + h + 2 * kv + mm) // 2) * act_bytes + a * 4 for _, _, mm in mlps)
     tokens = batch_size * seq_len
     v = args.vocab_size
     if loss_chunk_size is None:
@@ -238,6 +243,27 @@ def estimate_memory(
     head_grad = _ceil_div(v * h * grad_dtype_bytes, ranks)
     estimate["total"] = params + optimizer + fsdp_buffers + max(activations + head_grad, grads)
     return estimate
+
+
+def mlp_saved(
+    args: TransformerShape, layer: int, capacity_factor: float | None = None
+) -> tuple[int, int, int]:
+    """``(elements, fp32 values, matmul outputs)`` block ``layer``'s feed-forward saves per token.
+
+    Dense SwiGLU: gate, up, ``silu(gate)``, their product (``4f``); matmul outputs gate, up, down
+    (``2f + h``). A mixture of experts (``portatrain.models.common.moe``), per token and for each of
+    its ``top_k`` assignments: the gathered input and the weighted expert output (``2h``) and the
+    expert's SwiGLU table (``4i``, ``i`` = expert width), plus the router's fp32 probabilities
+    (``n_experts``) and top-k weights; its matmul outputs are gate/up and down per assignment
+    (``k * (2i + h)``). ``capacity_factor`` (capacity dispatch) scales the per-assignment terms: each
+    expert holds that many slots per expected assignment, filled or not.
+    """
+    if not args.is_sparse(layer):
+        return 4 * args.ffn_dim, 0, 2 * args.ffn_dim + args.dim
+    h, i, k = args.dim, args.moe_ffn_dim, args.top_k
+    slots = k if capacity_factor is None else capacity_factor * k
+    elements = slots * (2 * h + 4 * i)
+    return int(elements), args.n_experts + 2 * k, int(slots * (2 * i + h))
 
 
 def qk_norm_bytes(args: TransformerShape, act_bytes: int) -> int:

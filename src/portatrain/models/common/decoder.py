@@ -126,6 +126,10 @@ class DecoderArgs:
         """A family's own checks (none by default); guard divisions, sizes may be zero here."""
         return []
 
+    def is_sparse(self, layer: int) -> bool:
+        """Whether block ``layer`` holds a mixture of experts (none in a dense family)."""
+        return False
+
     @property
     def q_dim(self) -> int:
         """Width of all query heads together, ``n_heads * head_dim`` (may differ from ``dim``)."""
@@ -142,21 +146,32 @@ class DecoderArgs:
         return {"none": 0, "head": 2 * self.head_dim, "proj": self.q_dim + self.kv_dim}[self.qk_norm]
 
     @property
-    def block_params(self) -> int:
-        """Parameters of one :class:`TransformerBlock`."""
+    def attention_params(self) -> int:
+        """Parameters of one block's attention and its two residual norms (everything but the MLP)."""
         attn = 2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim  # q, o and k, v projections
-        mlp = 3 * self.dim * self.ffn_dim
-        return attn + mlp + 2 * self.dim + self.qk_norm_params  # + the block's two RMSNorm gains
+        return attn + 2 * self.dim + self.qk_norm_params  # + the block's two RMSNorm gains
 
-    def num_params(self, exclude_embedding: bool = False) -> int:
+    def mlp_params(self, layer: int, *, active: bool = False) -> int:
+        """Parameters of block ``layer``'s feed-forward (``active``: those one token uses)."""
+        return 3 * self.dim * self.ffn_dim
+
+    @property
+    def block_params(self) -> int:
+        """Parameters of the largest :class:`TransformerBlock` (an FSDP unit)."""
+        return self.attention_params + max(self.mlp_params(i) for i in range(self.n_layers))
+
+    def num_params(self, exclude_embedding: bool = False, *, active: bool = False) -> int:
         """Parameter count computed from the shapes alone (nothing is built).
 
         ``exclude_embedding`` drops the input embedding table. With tied embeddings that table is
         also the output projection, so it leaves the model without any vocabulary matrix.
+        ``active``: only the parameters one token passes through (a mixture of experts' routed
+        experts count ``top_k`` of them); equal to the total for a dense model.
         """
         embedding = self.vocab_size * self.dim
         output = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        total = embedding + self.n_layers * self.block_params + self.dim + output  # + final norm
+        blocks = sum(self.attention_params + self.mlp_params(i, active=active) for i in range(self.n_layers))
+        total = embedding + blocks + self.dim + output  # + final norm
         return total - embedding if exclude_embedding else total
 
     def flops_per_token(self, seq_len: int) -> int:
@@ -166,14 +181,15 @@ class DecoderArgs:
         and torchtitan, so MFU numbers compare with theirs:
 
         * ``6 * N`` for the weight matmuls: 2 FLOPs per multiply-add forward, twice that backward
-          (gradients for inputs and for weights). ``N`` excludes the embedding lookup, which is a
-          gather, but includes the output projection even when it is tied to the embedding.
+          (gradients for inputs and for weights). ``N`` counts active parameters only (a token's
+          ``top_k`` experts, not all of them), excludes the embedding lookup, which is a gather,
+          but includes the output projection even when it is tied to the embedding.
         * ``12 * n_layers * n_heads * head_dim * seq_len`` for attention: ``QK^T`` and ``AV`` each
           cost ``2 * seq_len * head_dim`` per head and token forward (4 together), backward twice
           that (8). The full ``seq_len x seq_len`` square is counted (no discount for the causal
           mask), as PaLM does.
         """
-        matmul_params = self.num_params(exclude_embedding=True)
+        matmul_params = self.num_params(exclude_embedding=True, active=True)
         if self.tie_embeddings:
             matmul_params += self.vocab_size * self.dim
         return 6 * matmul_params + 12 * self.n_layers * self.q_dim * seq_len
@@ -211,7 +227,7 @@ class TransformerBlock(nn.Module):
     checkpointing, ``torch.compile``, ``fully_shard``).
     """
 
-    def __init__(self, args: DecoderArgs) -> None:
+    def __init__(self, args: DecoderArgs, mlp: nn.Module | None = None) -> None:
         super().__init__()
         if args.norm_placement not in ("pre", "post"):
             raise ValueError(f"norm_placement={args.norm_placement!r} is not one of pre, post")
@@ -227,7 +243,8 @@ class TransformerBlock(nn.Module):
             qk_norm=args.qk_norm,
         )
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.mlp = FeedForward(args.dim, args.ffn_dim)
+        # A family's own feed-forward (a mixture of experts) or the shared SwiGLU.
+        self.mlp = FeedForward(args.dim, args.ffn_dim) if mlp is None else mlp
         if args.norm_placement == "post":
             self.post_feedforward_layernorm = RMSNorm(args.dim, args.norm_eps)
 

@@ -93,6 +93,11 @@ def layout_problems(parallel: Any, args: Any) -> list[str]:
     ``parallel`` is a ``ParallelConfig`` or ``ParallelDims`` (anything with ``tp``).
     """
     problems = []
+    if parallel.tp > 1 and any(args.is_sparse(layer) for layer in range(args.n_layers)):
+        problems.append(
+            f"parallel.tp={parallel.tp}: tensor parallel does not shard a mixture of experts' experts; "
+            "set parallel.tp=1 and shard with FSDP2 instead (parallel.dp_shard)"
+        )
     if parallel.tp > 1 and args.qk_norm == "proj":
         problems.append(
             f"parallel.tp={parallel.tp}: this model normalizes q and k over all heads at once "

@@ -1,0 +1,330 @@
+"""A mixture-of-experts feed-forward shared by the families: router, stacked experts, two dispatch modes.
+
+What is here, top to bottom:
+
+* :func:`grouped_mm` -- ``x[offs[g-1]:offs[g]] @ w[g]`` for every group ``g``, as one custom op:
+  ``torch._grouped_mm`` where it runs (CPU fp32 eager, CUDA bf16 on sm90+), a loop over the groups
+  elsewhere. Opaque to ``torch.compile`` (its output shape is static), so a compiled block never
+  traces the data-dependent group sizes.
+* :class:`Router` -- token-choice top-k over softmax scores, with optional renormalization of the
+  top-k weights (Qwen 3 MoE's ``norm_topk_prob``). Scores and selection are separate steps, so the
+  sigmoid scores, per-expert selection bias and group-limited top-k of DeepSeek-V3 slot in beside.
+* :class:`GroupedExperts` -- every expert's SwiGLU weights stacked as ``[n_experts, ...]`` tensors,
+  in Hugging Face transformers 5's layout (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``).
+* :class:`MoE` -- routes, dispatches, combines; adds the load-balancing loss to the gradient and keeps
+  routing statistics in buffers.
+
+Dispatch modes (``MoE.dispatch``; the trainer picks one from the device, a recipe names neither):
+
+* ``dropless`` -- every token reaches its ``top_k`` experts. Assignments are sorted by expert and
+  the experts run as one grouped matmul over groups of varying size. Right where shapes may vary
+  (CPU, CUDA): nothing is padded or dropped.
+* ``capacity`` -- each expert has ``ceil(capacity_factor * tokens * top_k / n_experts)`` slots, a
+  static number; assignments beyond an expert's slots are dropped (the token keeps its residual
+  and its other experts) and counted. Every tensor has a shape fixed by the batch shape, and no
+  value leaves the device: what XLA-style compilers (TPU, Trainium) need to compile once. First
+  choices take slots before second choices (GShard, Lepikhin et al. 2020,
+  https://arxiv.org/abs/2006.16668), so a token loses its weakest experts first.
+
+Load balance: the auxiliary loss of Switch Transformer (Fedus et al. 2021,
+https://arxiv.org/abs/2101.03961) in Qwen 3 MoE's form (transformers'
+``load_balancing_loss_func``): ``n_experts * sum_e f_e * P_e`` with ``f_e`` the assignments to
+``e`` per token and ``P_e`` the mean router probability of ``e``. It is added to the gradient inside
+the layer (:class:`_AddAuxLoss`, as DeepSeek's published modelling code does), scaled by
+``aux_loss_coef * aux_loss_scale``; the model's output and the logged language-model loss are
+unchanged, and the trainer sets ``aux_loss_scale`` to ``1 / (micro-batches * data-parallel ranks)``
+so the loss is a mean over the global batch's forward passes, as with Hugging Face's trainer.
+
+Routing statistics accumulate in non-persistent buffers (no host sync); :func:`routing_stats`
+reads and resets them at logging steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from portatrain.kernels.reference import swiglu
+from portatrain.models.common.layers import FeedForward, trunc_normal_
+
+DISPATCH_MODES: tuple[str, ...] = ("dropless", "capacity")
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped matmul
+# ---------------------------------------------------------------------------------------------
+
+
+def _native_grouped_mm(*tensors: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs these inputs: CPU (fp32 eager), CUDA bf16 on sm90+; every
+    stride a multiple of 16 bytes."""
+    first = tensors[0]
+    if first.device.type == "cpu":
+        ok = first.dtype in (torch.float32, torch.bfloat16)
+    elif first.device.type == "cuda":
+        ok = first.dtype == torch.bfloat16 and torch.cuda.get_device_capability(first.device) >= (9, 0)
+    else:
+        return False
+    return ok and all(t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
+
+
+def _group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+    ends = offs.tolist()  # a host sync: the fallback path only
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
+@torch.library.custom_op("portatrain::grouped_mm", mutates_args=())
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``[N, K] x [G, K, M] -> [N, M]``: rows ``offs[g-1]:offs[g]`` of ``x`` times ``w[g]`` (``offs``:
+    int32 cumulative group ends, ``offs[-1] == N``)."""
+    if _native_grouped_mm(x, w):
+        return torch._grouped_mm(x, w, offs=offs)
+    out = x.new_empty(x.shape[0], w.shape[-1])
+    for g, (start, end) in enumerate(_group_bounds(offs)):
+        out[start:end] = x[start:end] @ w[g]
+    return out
+
+
+@grouped_mm.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+@torch.library.custom_op("portatrain::grouped_mm_weight_grad", mutates_args=())
+def grouped_mm_weight_grad(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``[N, K], [N, M] -> [G, K, M]``: ``x[group].T @ grad[group]`` per group (the weight gradient)."""
+    if _native_grouped_mm(x, grad) and x.shape[0] * x.element_size() % 16 == 0:
+        return torch._grouped_mm(x.t(), grad, offs=offs)
+    out = x.new_zeros(offs.shape[0], x.shape[1], grad.shape[1])
+    for g, (start, end) in enumerate(_group_bounds(offs)):
+        out[g] = x[start:end].t() @ grad[start:end]
+    return out
+
+
+@grouped_mm_weight_grad.register_fake
+def _(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(offs.shape[0], x.shape[1], grad.shape[1])
+
+
+def _grouped_mm_setup(ctx, inputs, output) -> None:  # noqa: ANN001 (torch.library's signature)
+    x, w, offs = inputs
+    ctx.save_for_backward(x, w, offs)
+
+
+def _grouped_mm_backward(ctx, grad: torch.Tensor):  # noqa: ANN001
+    x, w, offs = ctx.saved_tensors
+    grad = grad.contiguous()
+    grad_x = grouped_mm(grad, w.transpose(1, 2).contiguous(), offs)
+    return grad_x, grouped_mm_weight_grad(x, grad, offs), None
+
+
+grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# Router, experts, the layer
+# ---------------------------------------------------------------------------------------------
+
+
+class Router(nn.Module):
+    """Token-choice top-k routing: a linear scorer (``weight [n_experts, dim]``, HF's ``mlp.gate``)."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, *, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(n_experts, dim))
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """Router probabilities ``[T, n_experts]`` in fp32 (softmax over the experts)."""
+        return F.softmax(F.linear(x, self.weight).float(), dim=-1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(weights [T, k] fp32, experts [T, k], probs [T, n_experts] fp32)`` for tokens ``x [T, dim]``."""
+        probs = self.scores(x)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts, probs
+
+
+class GroupedExperts(nn.Module):
+    """``n_experts`` SwiGLU feed-forwards with stacked weights; ``swiglu_fn`` is the kernel slot."""
+
+    def __init__(self, n_experts: int, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * hidden_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.swiglu_fn = swiglu  # silu(gate) * up, unless a kernel override replaces it
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        trunc_normal_(self.gate_up_proj, std)
+        trunc_normal_(self.down_proj, out_std)
+
+    def grouped(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """Rows of ``x [N, dim]`` sorted by expert, group ends ``offs``: ``[N, dim]`` (dropless)."""
+        gate, up = grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs).chunk(2, dim=-1)
+        return grouped_mm(self.swiglu_fn(gate, up), self.down_proj.transpose(1, 2), offs)
+
+    def batched(self, x: torch.Tensor) -> torch.Tensor:
+        """Each expert's slots ``x [n_experts, slots, dim]``: ``[n_experts, slots, dim]`` (capacity)."""
+        gate, up = torch.bmm(x, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+        return torch.bmm(self.swiglu_fn(gate, up), self.down_proj.transpose(1, 2))
+
+
+class _AddAuxLoss(torch.autograd.Function):
+    """Returns ``x`` unchanged; in backward, gives ``aux`` the gradient ``scale`` (so ``scale * aux``
+    joins the training loss without changing any value the model returns)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:  # noqa: ANN001
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001
+        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+
+
+class MoE(nn.Module):
+    """Routed experts (plus optional always-on shared experts) in place of a block's feed-forward.
+
+    Args:
+        dim: model width. hidden_dim: each expert's SwiGLU width. n_experts, top_k: routing.
+        norm_topk_prob: renormalize the top-k weights to sum to 1 (Qwen 3 MoE: true).
+        n_shared_experts: experts every token passes through, as one SwiGLU ``n_shared * hidden_dim``
+            wide (DeepSeek's ``shared_experts``); 0 for none.
+        aux_loss_coef: weight of the load-balancing loss (Qwen 3 MoE's ``router_aux_loss_coef``).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        n_experts: int,
+        top_k: int,
+        *,
+        norm_topk_prob: bool,
+        n_shared_experts: int = 0,
+        aux_loss_coef: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.n_experts, self.top_k = n_experts, top_k
+        self.aux_loss_coef = aux_loss_coef
+        self.gate = Router(dim, n_experts, top_k, norm_topk_prob=norm_topk_prob)
+        self.experts = GroupedExperts(n_experts, dim, hidden_dim)
+        self.shared_experts = FeedForward(dim, hidden_dim * n_shared_experts) if n_shared_experts else None
+        # Execution settings the trainer sets (model code never looks at the device).
+        self.dispatch = "dropless"
+        self.capacity_factor = 1.25
+        self.aux_loss_scale = 1.0
+        # Routing statistics since the last read (routing_stats): assignments per expert, dropped
+        # assignments, and the auxiliary loss summed over forward passes.
+        self.register_buffer("expert_load", torch.zeros(n_experts), persistent=False)
+        self.register_buffer("dropped", torch.zeros(()), persistent=False)
+        self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
+        self.register_buffer("forwards", torch.zeros(()), persistent=False)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        trunc_normal_(self.gate.weight, std)
+        self.experts.init_weights(std, out_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(std, out_std)
+        self.reset_stats()
+
+    @torch.no_grad()
+    def reset_stats(self) -> None:
+        for buffer in (self.expert_load, self.dropped, self.aux_loss_sum, self.forwards):
+            buffer.zero_()
+
+    def capacity(self, tokens: int) -> int:
+        """Slots per expert for ``tokens`` tokens in ``capacity`` mode (at most ``tokens``)."""
+        return min(tokens, math.ceil(self.capacity_factor * tokens * self.top_k / self.n_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, experts, probs = self.gate(x)
+        # One row per (choice, token), choice-major: every first choice before any second one.
+        flat_experts = experts.t().reshape(-1)
+        flat_weights = weights.t().reshape(-1)
+        token = torch.arange(x.shape[0], device=x.device).repeat(self.top_k)
+        if self.dispatch == "capacity":
+            y, dropped = self._capacity(x, flat_experts, flat_weights, token)
+        else:
+            y, dropped = self._dropless(x, flat_experts, flat_weights, token), None
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        load = torch.zeros(self.n_experts, device=x.device).index_add_(
+            0, flat_experts, torch.ones_like(flat_weights)
+        )
+        aux = self.n_experts * (load / x.shape[0] * probs.mean(dim=0)).sum()
+        if self.training and self.aux_loss_coef > 0 and torch.is_grad_enabled():
+            y = _AddAuxLoss.apply(y, aux, self.aux_loss_coef * self.aux_loss_scale)
+        with torch.no_grad():
+            self.expert_load.add_(load)
+            self.aux_loss_sum.add_(aux.detach())
+            self.forwards.add_(1)
+            if dropped is not None:
+                self.dropped.add_(dropped)
+        return y.reshape(shape)
+
+    def _dropless(
+        self, x: torch.Tensor, flat_experts: torch.Tensor, flat_weights: torch.Tensor, token: torch.Tensor
+    ) -> torch.Tensor:
+        order = torch.argsort(flat_experts, stable=True)
+        counts = torch.zeros(self.n_experts, dtype=torch.int32, device=x.device).index_add_(
+            0, flat_experts, torch.ones_like(flat_experts, dtype=torch.int32)
+        )
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        out = self.experts.grouped(x[token[order]], offs)
+        out = out * flat_weights[order, None].to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, token[order], out)
+
+    def _capacity(
+        self, x: torch.Tensor, flat_experts: torch.Tensor, flat_weights: torch.Tensor, token: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = self.capacity(x.shape[0])
+        one_hot = F.one_hot(flat_experts, self.n_experts).to(torch.int32)
+        position = (one_hot.cumsum(dim=0) - 1).gather(1, flat_experts[:, None]).squeeze(1)
+        kept = position < slots
+        trash = self.n_experts * slots  # one extra row that dropped assignments write to, never read
+        slot = torch.where(kept, flat_experts * slots + position, trash)
+        buffer = x.new_zeros(trash + 1, x.shape[1]).index_put((slot,), x[token])
+        out = self.experts.batched(buffer[:trash].view(self.n_experts, slots, -1)).reshape(trash, -1)
+        out = torch.cat([out, out.new_zeros(1, out.shape[1])])[slot]
+        out = out * (flat_weights * kept).to(out.dtype)[:, None]
+        y = torch.zeros_like(x).index_add_(0, token, out)
+        return y, (~kept).sum().float()
+
+
+@torch.no_grad()
+def routing_stats(model: nn.Module) -> dict[str, float]:
+    """Routing statistics of every :class:`MoE` layer since the last call, then reset (a host sync:
+    call at logging steps). Keys: ``moe_load_max_mean`` (the busiest expert's load over the mean,
+    the worst layer; 1.0 is perfect balance), ``moe_aux_loss`` (mean over layers and forwards) and,
+    in ``capacity`` mode, ``moe_dropped`` (the fraction of assignments dropped). Empty without MoE."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    seen = [m for m in layers if m.forwards.item() > 0]
+    if not seen:
+        return {}
+    imbalance = max((m.expert_load.max() / m.expert_load.mean().clamp_min(1e-9)).item() for m in seen)
+    aux = sum((m.aux_loss_sum / m.forwards).item() for m in seen) / len(seen)
+    stats = {"moe_load_max_mean": imbalance, "moe_aux_loss": aux}
+    if any(m.dispatch == "capacity" for m in seen):
+        assigned = sum(m.expert_load.sum().item() for m in seen)
+        stats["moe_dropped"] = sum(m.dropped.item() for m in seen) / max(assigned, 1.0)
+    for m in layers:
+        m.reset_stats()
+    return stats
+
+
+def configure_moe(model: nn.Module, *, dispatch: str, capacity_factor: float, aux_loss_scale: float) -> int:
+    """Set every :class:`MoE` layer's execution settings; returns how many there are."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for m in layers:
+        m.dispatch, m.capacity_factor, m.aux_loss_scale = dispatch, capacity_factor, aux_loss_scale
+    return len(layers)
