@@ -31,7 +31,13 @@ from typing import Any
 
 import torch
 
-from portatrain.checkpoint import CheckpointError, complete_checkpoints, inspect_checkpoint, safe_reader
+from portatrain.checkpoint import (
+    CheckpointError,
+    complete_checkpoints,
+    inspect_checkpoint,
+    nonfinite_keys,
+    safe_reader,
+)
 from portatrain.checkpoint.common import root_causes, short_cause
 from portatrain.config import ExportConfig
 from portatrain.dtypes import DTYPE_NAMES, DTYPES, dtype_problem
@@ -159,7 +165,7 @@ def export_hf(checkpoint: Path, out: Path, *, max_shard_size: int, dtype: str = 
                     f"reading checkpoint {checkpoint} failed ({short_cause(root_causes(exc)[0])}); a *.distcp "
                     "file was overwritten or damaged -- export an earlier step_* directory"
                 ) from None
-            bad = [key for key, value in tensors.items() if not bool(torch.isfinite(value).all())]
+            bad = nonfinite_keys(tensors)  # the rule a checkpoint load applies
             if bad:
                 raise CheckpointError(
                     f"checkpoint {checkpoint} holds non-finite (NaN/inf) weights in model.{', model.'.join(bad[:4])}"

@@ -31,7 +31,11 @@ the loader sends ``document_ids`` and the Trainer adds ``attn_mask``, built on t
 positions=batch.get("positions"), attn_mask=batch.get("attn_mask"))`` works in every hook.
 
 Everything else (data, optimizer, schedule, metrics, checkpoints) is built from the config by
-the stages it names; a subclass changes behaviour by overriding a hook, not by copying ``fit``.
+the stages it names, one ``_setup_*`` step each; a subclass changes behaviour by overriding a hook,
+not by copying ``fit``. What watches the loop is an object of its own: the non-finite guard
+(``portatrain.nonfinite``: ``trainer.on_nonfinite``, the finiteness check before a save), the logging
+window (``portatrain.logwindow``: tokens, FLOPs and time between logging steps), the compile monitor
+(``portatrain.compile``), the stop-request watcher (``portatrain.checkpoint``).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from portatrain.audit.runtime import RuntimeAudit
 from portatrain.checkpoint import (
     Checkpointer,
     CheckpointError,
+    DamagedCheckpointError,
     PreemptionWatcher,
     load_dataloader_state,
     load_hf_weights,
@@ -60,6 +65,7 @@ from portatrain.checkpoint import (
     newest_usable,
     read_trainer_state,
     resolve_resume,
+    sigterm_interrupts,
 )
 from portatrain.checkpoint.common import broadcast_from_main
 from portatrain.compile import (
@@ -76,9 +82,9 @@ from portatrain.data.loader import batch_shapes, build_collator, build_dataloade
 from portatrain.data.pipeline import build_data
 from portatrain.distributed import destroy_distributed, dist_info_from_env, init_distributed
 from portatrain.dtypes import dtype_from_name
-from portatrain.errors import UserError
 from portatrain.kernels import apply as apply_kernels
 from portatrain.kernels import resolve as resolve_kernels
+from portatrain.logwindow import LoggingWindow
 from portatrain.losses import chunked_loss_fn, cross_entropy_sum
 from portatrain.metrics import (
     MetricsLogger,
@@ -89,6 +95,7 @@ from portatrain.metrics import (
     throughput_metrics,
 )
 from portatrain.models import build_model, get_spec
+from portatrain.nonfinite import NONFINITE_MODES, NonFiniteError, NonFiniteGuard
 from portatrain.optim import build_lr_scheduler, build_optimizer
 from portatrain.parallel import (
     ParallelDims,
@@ -109,14 +116,7 @@ from portatrain.rundir import (
 
 logger = logging.getLogger(__name__)
 
-NONFINITE_MODES = ("stop", "skip_step")
-"""``trainer.on_nonfinite``: what a step with a non-finite loss or gradient norm does."""
-
-
-class NonFiniteError(UserError):
-    """Training produced a non-finite loss or gradient norm (``trainer.on_nonfinite=stop``)."""
-
-    same_on_every_rank = True
+__all__ = ["NONFINITE_MODES", "NonFiniteError", "Trainer"]  # the guard's names, where they always were
 
 
 class _StopDuringWarmup(Exception):
@@ -127,19 +127,37 @@ class Trainer:
     def __init__(self, cfg: Config, accelerator: Accelerator | None = None) -> None:
         self._run_dir_lock: RunDirLock | None = None
         try:
-            self._setup(cfg, accelerator)
+            # SIGTERM while building (data, compile, a checkpoint load) stops as Ctrl-C does; from
+            # fit() on, PreemptionWatcher saves and stops at a step boundary.
+            with sigterm_interrupts():
+                self._setup(cfg, accelerator)
         except BaseException:
             self._release_run_dir()  # a run that failed to start leaves the directory free
             raise
 
     def _setup(self, cfg: Config, accelerator: Accelerator | None) -> None:
+        """Build every stage the config names, in order; each step below is one stage."""
         self.cfg = cfg
         self.spec = get_spec(cfg.model.name)  # the model family: parallel plan, HF mapping
+        self._setup_distributed(accelerator)
+        self._setup_run_dir()
+        self.accelerator.manual_seed(cfg.trainer.seed)
+        if cfg.trainer.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self._setup_data()
+        self._setup_model()
+        self._setup_optimization()
+        self._setup_run_services()
+        self._restore()
+
+    def _setup_distributed(self, accelerator: Accelerator | None) -> None:
+        """The device, the process group and the parallel layout (checked against the world size
+        before anything is built: ``ConfigError``)."""
+        cfg = self.cfg
         self.dist = dist_info_from_env()
         index = cfg.device.index if cfg.device.index is not None else self.dist.local_rank
         self.accelerator = accelerator or resolve_accelerator(cfg.device.type, index)
         self.accelerator.set_device()
-        # The layout is checked against the real world size before anything is built (ConfigError).
         self.parallel_dims = ParallelDims.from_config(cfg.parallel, world_size=self.dist.world_size)
         init_distributed(self.accelerator, self.dist)
         self.device = self.accelerator.device
@@ -151,9 +169,11 @@ class Trainer:
         self.parallel_dims.build_mesh(self.accelerator.device_type)
         self.dp_rank, self.dp_world_size = self.parallel_dims.dp_rank, self.parallel_dims.dp
 
+    def _setup_run_dir(self) -> None:
+        """Before anything is built or written: take the run directory (exclusive, and writable), find
+        the checkpoint to resume, refuse another run's directory."""
+        cfg = self.cfg
         self.run_dir = Path(cfg.run_dir)
-        # Before anything is built or written: take the run directory (exclusive, and writable), find
-        # the checkpoint to resume, refuse another run's directory.
         self._run_dir_lock = self._lock_run_dir()
         # Every rank sees rank 0's run directory, or all stop here (a first save would hang).
         check_shared_run_dir(self.run_dir)
@@ -170,11 +190,9 @@ class Trainer:
                     "earlier step_* directory"
                 )
 
-        self.accelerator.manual_seed(cfg.trainer.seed)
-        if cfg.trainer.deterministic:
-            torch.use_deterministic_algorithms(True)
-
-        # The data stage: a prepared corpus streams (train_documents stay empty), else in memory.
+    def _setup_data(self) -> None:
+        """The data stage: a prepared corpus streams (train_documents stay empty), else in memory."""
+        cfg = self.cfg
         self.data = build_data(
             cfg.data, seed=cfg.trainer.seed, dp_rank=self.dp_rank, dp_world_size=self.dp_world_size
         )
@@ -182,6 +200,9 @@ class Trainer:
         self.train_documents, self.eval_documents = self.data.train_documents, self.data.eval_documents
         self.train_loader = self.build_dataloader(self.train_documents, train=True)
 
+    def _setup_model(self) -> None:
+        """Build the model on meta, swap in kernels, parallelize, materialize on the device."""
+        cfg = self.cfg
         # Before anything compiles: compiled graphs persist under the run dir (compile.cache).
         self.compile_cache = CompileCache.for_run(
             cfg.compile, self.run_dir, self.accelerator, is_main=self.dist.is_main
@@ -195,6 +216,12 @@ class Trainer:
         self.kernels = resolve_kernels(cfg.kernels.enabled, self.accelerator.device_type)
         apply_kernels(model, self.kernels)
         self.model = self._materialize(self.parallelize(model))
+        # MFU = the architecture's FLOPs per real token over the device's peak (CPU: measured, cached).
+        self.flops_per_token = getattr(model, "flops_per_token", None)
+
+    def _setup_optimization(self) -> None:
+        """Optimizer, gradient clipping, the loss path and the LR schedule."""
+        cfg = self.cfg
         self.optimizer = build_optimizer(self.model, cfg.optim, fused=self.accelerator.fused_adamw)
         # Read here, not per step: a DictConfig attribute read costs ~10 us.
         self._max_grad_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
@@ -206,21 +233,27 @@ class Trainer:
             else None
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optim, cfg.trainer.steps)
-        # Non-finite steps: counted on the device every step, read at the logging sync and before
-        # every save (no extra host sync). skip_step leaves the weights and moments of such a step as
-        # they were; stop raises NonFiniteError before anything non-finite is saved.
-        self._skip_nonfinite = cfg.trainer.on_nonfinite == "skip_step"
-        # Since the last sync: [steps with a non-finite gradient norm (global: all ranks agree on
-        # it), micro-batch losses of this rank that were non-finite].
-        self._nonfinite = torch.zeros(2, device=self.device)
-        self._first_nonfinite = torch.zeros((), device=self.device)  # step of the first one (0: none)
-        self.nonfinite_skipped = 0
-        """Steps skipped for a non-finite loss or gradient norm so far (``on_nonfinite=skip_step``)."""
+
+    def _setup_run_services(self) -> None:
+        """What watches the loop: checkpoints, the non-finite guard, stop requests, metrics, the
+        logging window, compilation and the runtime audit."""
+        cfg = self.cfg
         self.checkpointer = Checkpointer(
             self.run_dir / "checkpoints",
             keep=cfg.checkpoint.keep,
             every=cfg.checkpoint.every,
             is_main=self.dist.is_main,
+        )
+        # Non-finite steps: counted on the device every step, read at the logging sync and before
+        # every save (no extra host sync); see portatrain.nonfinite.
+        self.nonfinite = NonFiniteGuard(
+            cfg.trainer.on_nonfinite,
+            device=self.device,
+            all_reduce_sum=self._all_reduce_sum,
+            dp_world_size=self.dp_world_size,
+            checkpointer=self.checkpointer,
+            is_main=self.dist.is_main,
+            lr=cfg.optim.lr,
         )
         self.preemption = PreemptionWatcher()
         self.preempted = False
@@ -230,25 +263,32 @@ class Trainer:
             jsonl=cfg.metrics.jsonl,
             tensorboard=cfg.metrics.tensorboard,
         )
-        # MFU = the architecture's FLOPs per real token over the device's peak (CPU: measured, cached).
-        self.flops_per_token = getattr(model, "flops_per_token", None)
         self.peak_flops, self.peak_flops_source = resolve_peak_flops(
             self.accelerator, self.dtype, cfg.metrics.peak_tflops
         )
+        self.window = LoggingWindow()  # tokens, FLOPs and time since the last logged step
         self.step = 0
         self.tokens_seen = 0
         # graph counts, recompile guard; saves the compile cache after steps that compiled
         self.compile_monitor = CompileMonitor(cfg.compile, cache=self.compile_cache)
         # audit.runtime / audit.nonfinite (portatrain.audit.runtime); off by default, free when off.
         self.runtime_audit = RuntimeAudit(cfg.audit, self.accelerator, self.model)
+
+    def _restore(self) -> None:
+        """Load the checkpoint to resume, or the Hugging Face weights of ``model.init_from``; then
+        write the run's config (after the load: a resume that fails leaves the directory as it was)."""
         if self.resume_from is not None:
             self.load_checkpoint(self.resume_from)
-        elif cfg.model.init_from:
-            load_hf_weights(self.model, cfg.model.init_from, self.spec)
-        # Written after the load: a resume that fails leaves the run directory as it was.
+        elif self.cfg.model.init_from:
+            load_hf_weights(self.model, self.cfg.model.init_from, self.spec)
         # Secrets (tokens, keys, passwords) are redacted in every config written to disk.
         if self.dist.is_main:
-            (self.run_dir / "config.yaml").write_text(redacted_yaml(cfg))
+            (self.run_dir / "config.yaml").write_text(redacted_yaml(self.cfg))
+
+    @property
+    def nonfinite_skipped(self) -> int:
+        """Steps skipped for a non-finite loss or gradient norm so far (``on_nonfinite=skip_step``)."""
+        return self.nonfinite.skipped
 
     # -- hooks -----------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
@@ -309,8 +349,8 @@ class Trainer:
         grad_norm = self._clip_gradients()
         # The gradient norm is global (all ranks agree on it); the loss is this rank's.
         grad_ok = torch.isfinite(grad_norm)  # the same on every rank: skipping stays in lockstep
-        self._optimizer_step(grad_ok)
-        self._count_nonfinite(grad_ok, torch.isfinite(loss_sum))
+        self.nonfinite.optimizer_step(self.optimizer, grad_ok)
+        self.nonfinite.count(self.step + 1, grad_ok, torch.isfinite(loss_sum))  # before self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         # Tensors stay on the device; fit() reads them only on logging steps (no per-step host sync).
@@ -427,20 +467,7 @@ class Trainer:
             # A plain dataclass copy: the loop reads it every step; a DictConfig read costs ~10 us.
             cfg = OmegaConf.to_object(cfg)
         data_iter = iter(self.train_loader)
-        # A terminal gets a live bar; a log file (SLURM output, CI, `> file`) one plain line per
-        # logging step instead of a carriage-return frame per step.
-        interactive = sys.stderr.isatty()
-        log_lines = cfg.progress and self.dist.is_main and not interactive
-        bar = tqdm(
-            total=cfg.steps,
-            initial=self.step,
-            disable=not (cfg.progress and self.dist.is_main and interactive),
-            desc=self.cfg.recipe,
-            unit="step",
-            dynamic_ncols=True,
-        )
-        last: dict[str, Any] = {}
-        window_tokens, window_flops, window_steps, window_start = 0, 0, 0, time.perf_counter()
+        bar = self._progress_bar(cfg)
         profiler = StepProfiler(
             self.cfg.profile,
             self.run_dir / "profile",
@@ -449,11 +476,13 @@ class Trainer:
             worker_name=f"rank{self.dist.rank}",
         )
         checkpointing = self.cfg.checkpoint.enabled  # read once, not per step
+        last: dict[str, Any] = {}
         # SIGTERM / Ctrl-C: save at the next step boundary (when checkpointing), then stop.
         self.preemption.install()
+        self.window.reset()
         if self.cfg.compile.enabled and self.cfg.compile.warmup and self.step < cfg.steps:
             self.warmup()
-            window_start = time.perf_counter()  # compilation is reported apart from throughput
+            self.window.restart_clock()  # compilation is reported apart from throughput
             if self.preempted:  # stopped between warm-up shapes: nothing trained, nothing to save
                 logger.warning("stopped during compile warm-up at step %d on request", self.step)
         while self.step < cfg.steps and not self.preempted:
@@ -463,69 +492,23 @@ class Trainer:
                 metrics = self.train_step(batches)
             self.step += 1
             metrics.setdefault("flops", model_flops(batches, self.flops_per_token))  # host-side count
-            window_tokens += metrics["tokens"]
-            window_flops += metrics["flops"]
-            window_steps += 1
+            self.window.add(metrics["tokens"], metrics["flops"])
             self.on_step_end(self.step, metrics)
             profiler.step()
             stop = self.preemption.should_stop()  # agreed by all ranks
             save_now = checkpointing and (stop or self.checkpointer.due(self.step))
             if self.step % cfg.log_every == 0 or self.step == cfg.steps or save_now:
-                audit = self.runtime_audit.window_end()  # before this block's own (expected) syncs
-                self.accelerator.synchronize()
-                elapsed = time.perf_counter() - window_start
-                window = torch.cat(
-                    [
-                        torch.tensor([float(window_tokens), float(window_flops)], device=self.device),
-                        self._nonfinite,
-                    ]
-                )
-                window_tokens, window_flops, bad_steps, bad_losses = (
-                    int(x) for x in self._all_reduce_sum(window).tolist()
-                )
-                self._check_nonfinite(bad_steps // self.dp_world_size, bad_losses, metrics)
-                self.tokens_seen += window_tokens
-                last = {
-                    "step": self.step,
-                    # Each rank's loss is its token sum over the GLOBAL token count: sum, not mean.
-                    "loss": float(self._all_reduce_sum(metrics["loss"])),
-                    "grad_norm": float(metrics["grad_norm"]),
-                    "lr": self.lr_scheduler.get_last_lr()[0],
-                    "tokens_seen": self.tokens_seen,
-                    **throughput_metrics(
-                        tokens=window_tokens,
-                        flops=window_flops,
-                        elapsed_s=elapsed,
-                        steps=window_steps,
-                        num_devices=self.dist.world_size,
-                        peak_flops=self.peak_flops,
-                    ),
-                    **memory_metrics(self.accelerator.memory_stats()),
-                    **self.compile_monitor.metrics(),
-                    **audit,
-                }
-                if self.nonfinite_skipped:
-                    last["nonfinite_skipped"] = self.nonfinite_skipped
-                self.metrics.log(last)
-                bar.set_postfix(progress_postfix(last))
-                if log_lines:
-                    summary = "  ".join(f"{k} {v}" for k, v in progress_postfix(last).items())
-                    logger.info("step %d/%d  %s", self.step, cfg.steps, summary)
-                window_tokens, window_flops, window_steps, window_start = 0, 0, 0, time.perf_counter()
+                last = self._log_step(metrics, bar)
             if (
                 cfg.eval_every
                 and (self.step % cfg.eval_every == 0 or self.step == cfg.steps)
                 and self.data.has_eval
             ):
-                with self.compile_monitor.watch(what="evaluation"), self.runtime_audit.paused():
-                    eval_metrics = self.evaluate()
-                self.metrics.log({"step": self.step, **eval_metrics})
-                last.update(eval_metrics)
-                self.on_eval_end(self.step, eval_metrics)
-                window_start = time.perf_counter()  # evaluation time is not training throughput
+                last.update(self._evaluate_and_log())
+                self.window.restart_clock()  # evaluation time is not training throughput
             if save_now:
                 self.save_checkpoint()
-                window_start = time.perf_counter()
+                self.window.restart_clock()
             bar.update(1)
             if stop:
                 self.preempted = True
@@ -539,13 +522,75 @@ class Trainer:
             self.save_checkpoint()
         return last
 
+    def _progress_bar(self, cfg: Any) -> tqdm:
+        """A terminal gets a live bar; a log file (SLURM output, CI, ``> file``) one plain line per
+        logging step (:meth:`_log_step`) instead of a carriage-return frame per step."""
+        interactive = sys.stderr.isatty()
+        self._log_lines = cfg.progress and self.dist.is_main and not interactive
+        return tqdm(
+            total=cfg.steps,
+            initial=self.step,
+            disable=not (cfg.progress and self.dist.is_main and interactive),
+            desc=self.cfg.recipe,
+            unit="step",
+            dynamic_ncols=True,
+        )
+
+    def _log_step(self, metrics: dict[str, Any], bar: tqdm) -> dict[str, Any]:
+        """A logging step, the loop's one host sync: close the window (one all-reduce, which also
+        carries the non-finite counts), act on non-finite steps, log and return the metrics."""
+        audit = self.runtime_audit.window_end()  # before this block's own (expected) syncs
+        self.accelerator.synchronize()
+        totals = self.window.close(self._all_reduce_sum, device=self.device, extra=self.nonfinite.counts)
+        bad_steps, bad_losses = totals.extra
+        self.nonfinite.check(bad_steps, bad_losses, metrics, self.step)
+        self.tokens_seen += totals.tokens
+        last = {
+            "step": self.step,
+            # Each rank's loss is its token sum over the GLOBAL token count: sum, not mean.
+            "loss": float(self._all_reduce_sum(metrics["loss"])),
+            "grad_norm": float(metrics["grad_norm"]),
+            "lr": self.lr_scheduler.get_last_lr()[0],
+            "tokens_seen": self.tokens_seen,
+            **throughput_metrics(
+                tokens=totals.tokens,
+                flops=totals.flops,
+                elapsed_s=totals.elapsed_s,
+                steps=totals.steps,
+                num_devices=self.dist.world_size,
+                peak_flops=self.peak_flops,
+            ),
+            **memory_metrics(self.accelerator.memory_stats()),
+            **self.compile_monitor.metrics(),
+            **audit,
+        }
+        if self.nonfinite_skipped:
+            last["nonfinite_skipped"] = self.nonfinite_skipped
+        self.metrics.log(last)
+        bar.set_postfix(progress_postfix(last))
+        if self._log_lines:
+            summary = "  ".join(f"{k} {v}" for k, v in progress_postfix(last).items())
+            logger.info("step %d/%d  %s", self.step, self.cfg.trainer.steps, summary)
+        self.window.reset()
+        return last
+
+    def _evaluate_and_log(self) -> dict[str, float]:
+        """:meth:`evaluate` (its compilation watched, the runtime audit paused), logged, then
+        :meth:`on_eval_end`."""
+        with self.compile_monitor.watch(what="evaluation"), self.runtime_audit.paused():
+            eval_metrics = self.evaluate()
+        self.metrics.log({"step": self.step, **eval_metrics})
+        self.on_eval_end(self.step, eval_metrics)
+        return eval_metrics
+
     def save_checkpoint(self) -> Path:
         """Save everything a resume needs (collective; see ``portatrain.checkpoint`` for the layout).
 
-        Refuses (``NonFiniteError``) to save a non-finite state: a checkpoint is always finite, so
-        rotation never replaces the last finite checkpoint with a broken one.
+        Refuses (``NonFiniteError``) to save a non-finite state (weights or optimizer moments): a
+        checkpoint is always finite, so rotation never replaces the last finite checkpoint with a
+        broken one.
         """
-        self._assert_finite_state()
+        self.nonfinite.assert_finite_state(self.step, self.model, self.optimizer)
         path = self.checkpointer.save(
             self.step,
             model=self.model,
@@ -571,8 +616,10 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> None:
         """Restore model, optimizer, LR schedule, data position, RNG and counters from ``path``.
 
-        With ``checkpoint.resume=auto``, a newest checkpoint whose tensors turn out unreadable is
-        skipped with a warning and the one before it is loaded. Optimizer hyper-parameters and the LR
+        Every load checks the tensors it reads against the checksums written with them, and that they
+        are finite. With ``checkpoint.resume=auto``, a checkpoint that fails (unreadable, damaged or
+        non-finite: :class:`DamagedCheckpointError`) is skipped with a warning naming it and the one
+        before it is loaded; an explicit ``checkpoint.resume=PATH`` to it is that error. Optimizer hyper-parameters and the LR
         schedule's peak come from the current config (a change is applied and logged).
         """
         while True:
@@ -585,8 +632,8 @@ class Trainer:
                     read_loader_state=self.cfg.checkpoint.restore_data,
                 )
                 break
-            except CheckpointError as exc:
-                if str(self.cfg.checkpoint.resume) != "auto" or "is corrupt" not in str(exc):
+            except DamagedCheckpointError as exc:
+                if str(self.cfg.checkpoint.resume) != "auto":
                     raise
                 previous = broadcast_from_main(
                     newest_usable(path.parent, self.cfg.recipe, below=int(path.name.split("_")[-1]))
@@ -641,106 +688,6 @@ class Trainer:
         if self._run_dir_lock is not None:
             self._run_dir_lock.release()
             self._run_dir_lock = None
-
-    def _optimizer_step(self, ok: torch.Tensor) -> None:
-        """``optimizer.step()``; with ``on_nonfinite=skip_step`` a step where ``ok`` is false leaves
-        parameters and optimizer state as they were -- decided on the device, no host sync."""
-        if not self._skip_nonfinite:
-            self.optimizer.step()
-            return
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        fused = all(group.get("fused") for group in self.optimizer.param_groups)
-        if fused and not any(hasattr(p, "to_local") for p in params):
-            # Fused AdamW skips on the device when found_inf is set (the GradScaler protocol), and
-            # takes back its step count.
-            self.optimizer.found_inf = (~ok).float()
-            self.optimizer.grad_scale = None
-            try:
-                self.optimizer.step()
-            finally:
-                del self.optimizer.found_inf, self.optimizer.grad_scale
-            return
-
-        # Any other optimizer: keep a copy of what a step changes and put it back where not ok.
-        def local(t: torch.Tensor) -> torch.Tensor:
-            return t.to_local() if hasattr(t, "to_local") else t
-
-        tensors = [local(p.data) for p in params]
-        for p in params:
-            tensors += [
-                local(v) for v in self.optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)
-            ]
-        before = [t.detach().clone() for t in tensors]
-        known = {id(t) for t in tensors}
-        self.optimizer.step()
-        with torch.no_grad():
-            for t, old in zip(tensors, before):
-                t.copy_(torch.where(ok.to(t.device), t, old))
-            for p in params:  # state this (first) step created: as if it had not run, zeros
-                for v in self.optimizer.state.get(p, {}).values():
-                    if isinstance(v, torch.Tensor) and id(local(v)) not in known:
-                        local(v).copy_(torch.where(ok.to(v.device), local(v), torch.zeros_like(local(v))))
-
-    def _count_nonfinite(self, grad_ok: torch.Tensor, loss_ok: torch.Tensor) -> None:
-        """Device-side bookkeeping of one step (no host sync): counts, and the first bad step."""
-        bad = torch.stack([~grad_ok, ~loss_ok]).to(self._nonfinite.dtype)
-        step = float(self.step + 1)  # train_step runs before self.step is incremented
-        first_missing = self._first_nonfinite == 0
-        self._first_nonfinite = torch.where(first_missing & (bad.sum() > 0), step, self._first_nonfinite)
-        self._nonfinite = self._nonfinite + bad
-
-    def _check_nonfinite(self, bad_steps: int, bad_losses: int, metrics: dict[str, Any]) -> None:
-        """At a sync: ``bad_steps`` steps with a non-finite gradient norm and ``bad_losses`` non-finite
-        losses (summed over ranks) since the last sync -> stop, or count the skipped steps."""
-        first = int(self._first_nonfinite.item()) if bad_steps or bad_losses else 0
-        self._nonfinite.zero_()
-        self._first_nonfinite.zero_()
-        if not (bad_steps or bad_losses):
-            return
-        if self._skip_nonfinite:
-            self.nonfinite_skipped += bad_steps
-            if self.dist.is_main and bad_steps:
-                logger.warning(
-                    "skipped %d optimizer step(s) with a non-finite gradient norm (first: step %d; %d "
-                    "skipped in all; trainer.on_nonfinite=skip_step)",
-                    bad_steps,
-                    first or self.step,
-                    self.nonfinite_skipped,
-                )
-            elif self.dist.is_main:
-                logger.warning(
-                    "a non-finite loss with finite gradients at step %d: the step was applied",
-                    first or self.step,
-                )
-            return
-        newest = self.checkpointer.last_step
-        kept = f"the newest checkpoint (step {newest}) is finite" if newest else "no checkpoint was saved"
-        raise NonFiniteError(
-            f"the loss or gradient norm became non-finite at step {first or self.step} (last step: loss "
-            f"{float(metrics['loss']):.4g}, grad norm {float(metrics['grad_norm']):.4g}); training stopped "
-            f"without saving, and {kept}. Lower optim.lr (now {self.cfg.optim.lr}), lengthen "
-            "optim.warmup_steps or set optim.grad_clip, then continue with checkpoint.resume=auto; or set "
-            "trainer.on_nonfinite=skip_step to skip such steps"
-        )
-
-    def _assert_finite_state(self) -> None:
-        """Before a save: no pending non-finite step, and every parameter finite (on every rank)."""
-        bad_steps, bad_losses = (int(x) for x in self._all_reduce_sum(self._nonfinite).tolist())
-        self._check_nonfinite(
-            bad_steps // self.dp_world_size, bad_losses, {"loss": float("nan"), "grad_norm": float("nan")}
-        )
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
-        finite = torch.stack([torch.isfinite(p).all() for p in local if p.numel()]).all()
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            flag = finite.to(torch.int32)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-            finite = flag.bool()
-        if not bool(finite):
-            raise NonFiniteError(
-                f"the model's weights are non-finite at step {self.step}; not saving them (the newest "
-                f"checkpoint, step {self.checkpointer.last_step}, stays the one to resume from). Lower "
-                "optim.lr or set optim.grad_clip, then continue with checkpoint.resume=auto"
-            )
 
     def _materialize(self, model: nn.Module) -> nn.Module:
         """Allocate the meta model on the device and initialize it (same seed on every rank; sharded

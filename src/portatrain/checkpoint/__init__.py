@@ -11,7 +11,12 @@ One module per concern:
   (``none``/``auto``/a path) into a directory and refuses to start a new run over another run's
   checkpoints; :func:`load_dataloader_state` continues the data order;
 - ``preemption.py`` -- :class:`PreemptionWatcher` turns SIGTERM and Ctrl-C into "save at the next
-  step boundary, then stop" (a second Ctrl-C exits at once);
+  step boundary, then stop" (a second Ctrl-C exits at once), and :func:`sigterm_interrupts` makes
+  SIGTERM stop a run that has not started training yet as Ctrl-C does;
+- ``verify.py`` -- is a checkpoint whole: content checksums of every model and optimizer tensor,
+  written with every save and compared at every load, and the finiteness check that resume and
+  ``export`` share (:func:`nonfinite_keys`); a failure is a :class:`DamagedCheckpointError`, which
+  ``checkpoint.resume=auto`` answers by loading the checkpoint before;
 - ``safe_metadata.py`` -- :func:`safe_reader`, the DCP reader every load goes through: it unpickles
   DCP's ``.metadata`` index with an unpickler that admits only DCP's own metadata classes;
 - ``hf.py`` -- :func:`load_hf_weights` initializes a model from a local Hugging Face safetensors
@@ -25,7 +30,8 @@ Layout of ``<run_dir>/checkpoints/step_<N>/``::
     .metadata                DCP's index of every tensor chunk (written last, by rank 0)
     __<rank>_0.distcp        tensors: model, optimizer state, each rank's RNG state
     trainer_state.json       step, tokens seen, LR scheduler, optimizer hyper-parameters,
-                             model family and architecture, recipe, world size (rank 0)
+                             model family and architecture, recipe, world size, and a content
+                             checksum of every model and optimizer tensor (rank 0)
     dataloader_rank<R>.json  each rank's StatefulDataLoader state
     config.yaml              the resolved config of the run that saved it
 
@@ -55,14 +61,16 @@ from portatrain.checkpoint.checkpointer import (
 )
 from portatrain.checkpoint.common import FORMAT, CheckpointError
 from portatrain.checkpoint.hf import load_hf_weights
-from portatrain.checkpoint.preemption import PreemptionWatcher
+from portatrain.checkpoint.preemption import PreemptionWatcher, sigterm_interrupts
 from portatrain.checkpoint.resume import load_dataloader_state, newest_usable, resolve_resume
 from portatrain.checkpoint.safe_metadata import UnsafeMetadataError, safe_reader
+from portatrain.checkpoint.verify import DamagedCheckpointError, nonfinite_keys
 
 __all__ = [
     "FORMAT",
     "CheckpointError",
     "Checkpointer",
+    "DamagedCheckpointError",
     "PreemptionWatcher",
     "complete_checkpoints",
     "inspect_checkpoint",
@@ -70,8 +78,10 @@ __all__ = [
     "load_hf_weights",
     "model_args_dict",
     "newest_usable",
+    "nonfinite_keys",
     "read_trainer_state",
     "resolve_resume",
     "safe_reader",
+    "sigterm_interrupts",
     "UnsafeMetadataError",
 ]

@@ -24,23 +24,36 @@ from torch import nn
 
 from portatrain.checkpoint.common import (
     FORMAT,
+    FULL_BELOW_BYTES,
     METADATA,
     STEP_DIR,
     TRAINER_STATE,
     CheckpointError,
     any_rank,
+    bytes_on_disk,
+    free_bytes,
     fsync_dir,
     get_rank,
     get_world_size,
     is_disk_full,
+    mib,
     remove_leftovers,
     root_causes,
     short_cause,
     some,
     step_of,
+    sum_over_ranks,
     write_json,
 )
 from portatrain.checkpoint.safe_metadata import UnsafeMetadataError, safe_reader
+from portatrain.checkpoint.verify import (
+    ALGORITHM,
+    DamagedCheckpointError,
+    checksums,
+    flat_tensors,
+    state_bytes,
+    verify_loaded,
+)
 
 # torch.distributed.checkpoint is imported inside the functions that use it: `portatrain --help`
 # should not pay DCP's ~0.8 s import.
@@ -115,14 +128,23 @@ class Checkpointer:
     Every method is collective: call it on every rank.
     """
 
-    def __init__(self, folder: Path, *, keep: int, is_main: bool, every: int = 0) -> None:
+    def __init__(
+        self, folder: Path, *, keep: int, is_main: bool, every: int = 0, checksums: bool = True
+    ) -> None:
         self.folder = Path(folder)
         self.keep = keep
         """Complete checkpoints kept after a save; <= 0 keeps all."""
         self.every = every
         self.is_main = is_main
+        self.checksums = checksums
+        """Write content checksums with every save (``portatrain.checkpoint.verify``); off only to
+        measure what they cost (``scripts/bench_checksum.py``)."""
         self.last_step: int | None = None
         """Step of the checkpoint saved or loaded last (the final save is skipped when it is current)."""
+        self.last_verified: str | None = None
+        """How the checkpoint of ``last_step`` was found finite: ``"saved"`` (the caller checked the
+        state it handed to :meth:`save`) or ``"loaded"`` (:meth:`load` verified its checksums and
+        finiteness); None when there is none."""
 
     def due(self, step: int) -> bool:
         """Whether ``checkpoint.every`` asks for a save after optimizer step ``step``."""
@@ -167,7 +189,7 @@ class Checkpointer:
             except OSError as exc:
                 error = exc
         if any_rank(error is not None):
-            self._fail(step, final, tmp, error)
+            self._fail(step, final, tmp, error, {})
 
         model_sd, optim_sd = get_state_dict(model, optimizer)
         rank = get_rank()
@@ -176,6 +198,12 @@ class Checkpointer:
             "optim": optim_sd["state"],
             "rng": {f"rank{rank}": {k: v for k, v in rng_state.items() if isinstance(v, torch.Tensor)}},
         }
+        # Collective (one all-reduce): what load() compares the tensors it reads with.
+        sums = (
+            checksums(flat_tensors({"model": model_sd, "optim": optim_sd["state"]}))
+            if self.checksums
+            else None
+        )
         try:
             write_json(tmp / f"dataloader_rank{rank}.json", dataloader_state)
             if self.is_main:
@@ -185,6 +213,8 @@ class Checkpointer:
                     "world_size": get_world_size(),
                     "optimizer_param_groups": optim_sd["param_groups"],
                 }
+                if sums is not None:
+                    full_state["checksums"] = {"algorithm": ALGORITHM, "tensors": sums}
                 write_json(tmp / TRAINER_STATE, full_state)
                 (tmp / "config.yaml").write_text(config_yaml)
         except OSError as exc:  # disk full on this rank: still join the collective save below
@@ -196,7 +226,7 @@ class Checkpointer:
         except (Exception, dcp.CheckpointException) as exc:  # the latter is a BaseException
             error = error or exc
         if any_rank(error is not None):
-            self._fail(step, final, tmp, error)
+            self._fail(step, final, tmp, error, tensors)
 
         if self.is_main:
             try:
@@ -204,8 +234,8 @@ class Checkpointer:
             except OSError as exc:
                 error = exc
         if any_rank(error is not None):
-            self._fail(step, final, tmp, error)
-        self.last_step = step
+            self._fail(step, final, tmp, error, tensors)
+        self.last_step, self.last_verified = step, "saved"
         return final
 
     def _publish(self, step: int, final: Path, tmp: Path) -> None:
@@ -244,22 +274,37 @@ class Checkpointer:
                 shutil.rmtree(trash)
         fsync_dir(self.folder)
 
-    def _fail(self, step: int, final: Path, tmp: Path, error: BaseException | None) -> None:
-        """Remove this save's partial files and raise one message on every rank."""
+    def _fail(
+        self, step: int, final: Path, tmp: Path, error: BaseException | None, tensors: Mapping[str, Any]
+    ) -> None:
+        """Remove this save's partial files and raise one message on every rank (collective).
+
+        A full disk does not always surface as ``ENOSPC``: ``torch.save`` inside DCP reports a short
+        write as ``RuntimeError: [enforce fail at inline_container.cc] unexpected pos``. So the free
+        space is looked at too, before the partial files are removed: a failed write with (almost)
+        nothing left is a full disk, and the message says how much the checkpoint needs.
+        """
+        causes = root_causes(error) if error is not None else []
+        disk_full = any(is_disk_full(c) for c in causes) or free_bytes(self.folder) < FULL_BELOW_BYTES
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        causes = root_causes(error) if error is not None else []
-        previous = [p.name for p in complete_checkpoints(self.folder)]
+        previous = complete_checkpoints(self.folder)
         kept = (
-            f"the previous checkpoint {previous[-1]} is intact"
+            f"the previous checkpoint {previous[-1].name} is intact"
             if previous
             else "no earlier checkpoint exists"
         )
-        if any(is_disk_full(c) for c in causes):
+        if any_rank(disk_full):
+            # The previous checkpoint's size when there is one (same model, same files), else the
+            # bytes of the tensors being saved.
+            needed = bytes_on_disk(previous[-1]) if previous else sum_over_ranks(state_bytes(tensors))
+            free = free_bytes(self.folder)
             raise CheckpointError(
-                f"no space left on device while saving checkpoint step {step} into {self.folder}: "
-                f"nothing of step {step} was kept and {kept}. Free space (or lower checkpoint.keep), "
-                "then continue with checkpoint.resume=auto"
+                f"no space left on device while saving checkpoint step {step} into {self.folder}: a "
+                f"checkpoint needs about {mib(needed)} and {mib(free)} is free once the partial save is "
+                f"removed; nothing of step {step} was kept and {kept}. Free at least "
+                f"{mib(max(needed - free, 0))} more (or lower checkpoint.keep, or choose a run_dir on a "
+                "larger disk), then continue with checkpoint.resume=auto"
             )
         detail = short_cause(causes[0]) if causes else "another rank failed to write its part"
         raise CheckpointError(
@@ -282,7 +327,8 @@ class Checkpointer:
         position is global; None when ``read_loader_state`` is false), and this rank's RNG state
         (None when the world size changed: the saved ranks are not these ranks). ``rng_template``
         is the current RNG state, for shapes. Raises :class:`CheckpointError` naming the file and
-        the mismatch.
+        the mismatch; a :class:`DamagedCheckpointError` when its tensors are unreadable, differ from
+        the checksums written at save time, or hold a NaN/inf (the verdict is the same on every rank).
 
         Optimizer hyper-parameters (``optim.lr``, ``betas``, ``eps``, ``weight_decay``) come from the
         current config, not the checkpoint: the moments and step counts are restored, and a changed
@@ -306,8 +352,18 @@ class Checkpointer:
             rng = {k: v.clone() for k, v in rng_template.items() if isinstance(v, torch.Tensor)}
             tensors["rng"] = {f"rank{rank}": rng}
         param_groups = _current_param_groups(path, state["optimizer_param_groups"], optim_sd["param_groups"])
+        saved_dtypes = {
+            k: v.properties.dtype for k, v in metadata.state_dict_metadata.items() if hasattr(v, "properties")
+        }
         try:
             dcp.load(tensors, storage_reader=safe_reader(str(path)))
+            # Before anything is handed to the optimizer: the content is what was saved, and finite.
+            verify_loaded(
+                path,
+                flat_tensors({"model": tensors["model"], "optim": tensors["optim"]}),
+                state.get("checksums"),
+                saved_dtypes,
+            )
             set_state_dict(
                 model,
                 optimizer,
@@ -321,12 +377,12 @@ class Checkpointer:
         # weights_only=False, help nobody whose checkpoint file was damaged).
         except (Exception, dcp.CheckpointException) as exc:
             causes = root_causes(exc)
-            raise CheckpointError(
+            raise DamagedCheckpointError(
                 f"checkpoint {path} is corrupt: reading its tensors failed ({short_cause(causes[0])}); "
                 "a *.distcp file was overwritten or damaged. Resume from an earlier step_* directory "
                 "(checkpoint.resume=auto skips it)"
             ) from None
-        self.last_step = int(state["step"])
+        self.last_step, self.last_verified = int(state["step"]), "loaded"
         return state, loader_state, tensors.get("rng", {}).get(f"rank{rank}")
 
 

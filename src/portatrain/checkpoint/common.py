@@ -122,6 +122,36 @@ def root_causes(error: BaseException) -> list[BaseException]:
     return causes
 
 
+def sum_over_ranks(value: int) -> int:
+    """``value`` summed over every rank (collective; a tiny all-gather, used on error paths only)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, int(value))
+    return sum(values)
+
+
+FULL_BELOW_BYTES = 1 << 20
+"""A write that failed with less free space than this (1 MiB) failed because the disk is full."""
+
+
+def free_bytes(folder: Path) -> int:
+    """Bytes this process may still write on ``folder``'s filesystem (huge when it cannot be told)."""
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return 1 << 62
+
+
+def bytes_on_disk(folder: Path) -> int:
+    """Total size of the files under ``folder``."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
+
+
 def is_disk_full(error: BaseException) -> bool:
     return (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left on device" in str(
         error

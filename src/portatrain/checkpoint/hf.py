@@ -51,7 +51,18 @@ def load_hf_weights(model: nn.Module, hf_dir: str | Path, spec: ModelSpec) -> No
             f"model.init_from={hf_dir}: no *.safetensors file there (only safetensors weights are "
             "read; convert .bin files with save_pretrained(safe_serialization=True))"
         )
-    config = json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(
+            f"model.init_from={hf_dir}: {config_file} is not readable JSON ({type(exc).__name__}: {exc}); "
+            "point it at a Hugging Face model directory written by `portatrain export` or save_pretrained()"
+        ) from None
+    if not isinstance(config, dict):
+        raise CheckpointError(
+            f"model.init_from={hf_dir}: {config_file} holds a JSON {type(config).__name__}, not the object "
+            "of a Hugging Face config; point it at a Hugging Face model directory"
+        )
     architecture = (config.get("architectures") or [spec.hf.architecture])[0]
     if architecture != spec.hf.architecture:
         raise CheckpointError(

@@ -1,13 +1,16 @@
 """Preemption and Ctrl-C: SIGTERM (what schedulers and torchrun send before killing) and SIGINT -> save
-and stop at a step boundary; a second SIGINT exits at once."""
+and stop at a step boundary; a second SIGINT exits at once. Before training starts (while the Trainer
+is being built), SIGTERM stops the run as Ctrl-C does (:func:`sigterm_interrupts`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -67,3 +70,24 @@ class PreemptionWatcher:
         flag = torch.tensor([int(self.requested)], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return bool(flag.item())
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """While the block runs, SIGTERM raises ``KeyboardInterrupt``, as Ctrl-C does: a stop request
+    while the Trainer is being built (loading data, compiling, loading a checkpoint) ends the run
+    cleanly -- the CLI prints "interrupted" and exits 130, nothing is saved -- instead of killing it
+    without a word. Training itself uses :class:`PreemptionWatcher` (save, then stop).
+    Main thread only (Python delivers signals there); elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"received {signal.Signals(signum).name} before training started")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
