@@ -52,11 +52,8 @@ class SimAccelerator(Accelerator):
         failed build). A bad setting is not such a reason: it raises :class:`SimSettingsError`,
         whose message carries the setting's own fix."""
         from portatrain.accelerators.sim._build import compiler_missing_reason
-        from portatrain.accelerators.sim.settings import (
-            DEVICE_COUNT_ENV,
-            SimSettingsError,
-            check_settings,
-        )
+        from portatrain.accelerators.sim.errors import SimSettingsError
+        from portatrain.accelerators.sim.settings import DEVICE_COUNT_ENV, check_settings
 
         check_settings()
         reason = compiler_missing_reason()

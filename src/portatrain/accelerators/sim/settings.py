@@ -32,15 +32,6 @@ from portatrain.accelerators.sim.counters import (
 )
 from portatrain.accelerators.sim.errors import SimSettingsError
 
-__all__ = [
-    "SimSettingsError",
-    "check_settings",
-    "device_name",
-    "installed",
-    "parse_bytes",
-    "settings_problems",
-]
-
 SIM_AS_ENV = "PORTATRAIN_SIM_AS"
 """Names the device in this process: ``sim`` (default), ``tpu`` or ``neuron`` (impersonation)."""
 ALLOWED_NAMES = ("sim", "tpu", "neuron")
@@ -66,12 +57,6 @@ def parse_bytes(text: str) -> int:
             f"({', '.join(u for u in _UNITS if u)}), e.g. 512MiB"
         )
     return int(float(match.group(1)) * _UNITS[unit])
-
-
-def device_count(environ: Mapping[str, str] = os.environ) -> int:
-    """``SIM_DEVICE_COUNT`` as the extension will read it (call :func:`settings_problems` first)."""
-    text = environ.get(DEVICE_COUNT_ENV, "").strip()
-    return int(text) if text else DEFAULT_DEVICE_COUNT
 
 
 def settings_problems(environ: Mapping[str, str] = os.environ, name: str | None = None) -> list[str]:
