@@ -123,15 +123,9 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def layering_violations(
-    package_dir: Path,
-    package: str,
-    layers: Sequence[Iterable[str]],
-    allowed_edges: Iterable[tuple[str, str]] = (),
-) -> list[str]:
+def layering_violations(package_dir: Path, package: str, layers: Sequence[Iterable[str]]) -> list[str]:
     """Every upward import, same-layer import, unlisted component and cycle (between components,
-    and between modules, inside a package too), one line each. ``allowed_edges``: module imports
-    ``(importer, imported)`` left out of the module-cycle search (known cycles awaiting a fix)."""
+    and between modules, inside a package too), one line each."""
     imports = module_imports(package_dir, package)
     graph = component_graph(imports, package)
     level = {name: i for i, names in enumerate(layers) for name in names}
@@ -159,10 +153,7 @@ def layering_violations(
     cycle = find_cycle(graph)
     if cycle:
         problems.append(f"import cycle between components: {' -> '.join(cycle)}")
-    modules = module_graph(package_dir, package)
-    for src, dst in allowed_edges:
-        modules.get(src, set()).discard(dst)
-    cycle = find_cycle(modules)
+    cycle = find_cycle(module_graph(package_dir, package))
     if cycle:
         problems.append(f"import cycle between modules: {' -> '.join(cycle)}")
     return problems

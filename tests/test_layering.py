@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.layering import layering_violations, module_graph
+from tests.layering import layering_violations
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "portatrain"
 
@@ -32,25 +32,9 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 
 
-KNOWN_CYCLE_EDGES: list[tuple[str, str]] = [
-    # launch/__init__.py renders jobs through its backends (imported lazily) while the backends take
-    # the shared job helpers (describe_job, job_name, ...) from launch/__init__.py; the fix is to move
-    # those helpers into a module of their own below both.
-    ("portatrain.launch.kubernetes", "portatrain.launch"),
-    ("portatrain.launch.slurm", "portatrain.launch"),
-]
-"""Module imports left out of the module-cycle search: known cycles, each to be broken (then removed)."""
-
-
 def test_portatrain_layers_point_down_without_cycles() -> None:
-    problems = layering_violations(SRC, "portatrain", LAYERS, KNOWN_CYCLE_EDGES)
+    problems = layering_violations(SRC, "portatrain", LAYERS)
     assert not problems, "\n".join(problems)
-
-
-def test_known_cycle_edges_still_exist() -> None:
-    """An exempted import that is gone must leave the list, so the exemption cannot outlive it."""
-    graph = module_graph(SRC, "portatrain")
-    assert [edge for edge in KNOWN_CYCLE_EDGES if edge[1] not in graph.get(edge[0], set())] == []
 
 
 def test_config_is_a_leaf_and_models_know_no_stage() -> None:
@@ -142,9 +126,6 @@ def test_checker_catches_a_cycle_inside_a_package(tmp_path: Path) -> None:
     files["models/__init__.py"] = "VERSION = 1\nfrom pkg.models.runtime import install\n"
     problems = layering_violations(_write(tmp_path / "b", files), "pkg", layers)
     assert problems == ["import cycle between modules: pkg.models -> pkg.models.runtime -> pkg.models"]
-    # The same edge, exempted, is no cycle (how a known cycle waits for its fix).
-    exempt = [("pkg.models.runtime", "pkg.models")]
-    assert layering_violations(_write(tmp_path / "b", files), "pkg", layers, exempt) == []
 
 
 def test_importing_a_sibling_through_the_package_is_no_cycle(tmp_path: Path) -> None:

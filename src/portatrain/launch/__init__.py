@@ -30,99 +30,22 @@ import shlex
 import shutil
 import subprocess
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from portatrain.errors import ConfigError
+from portatrain.launch.job import (
+    RenderedJob,
+    SubmitError,
+    SubmittedJob,
+    describe_job,
+    job_name,
+    job_overrides,
+    override_value,
+    torchrun_args,
+    training_overrides,
+)
 from portatrain.redact import find_secrets, is_secret
-
-
-class SubmitError(ConfigError):
-    """The scheduler's CLI is missing or refused the job (printed by the CLI without a traceback)."""
-
-
-@dataclass(frozen=True)
-class RenderedJob:
-    text: str
-    """The job file's content."""
-    filename: str
-    """Default file name (``job.sbatch``, ``job.yaml``)."""
-    submit_command: tuple[str, ...]
-    """The scheduler CLI call that takes the file as its last argument."""
-    name: str = ""
-    """The job's name (Kubernetes: unique per rendering; the run directory follows it)."""
-    run_dir: str | None = None
-    """The run directory the job writes, where it is known before submission (Kubernetes)."""
-
-
-@dataclass(frozen=True)
-class SubmittedJob:
-    job_id: str
-    """The scheduler's id: SLURM's job id, the Kubernetes job name."""
-    run_dir: str
-    """The run directory the job writes (on storage every node sees)."""
-    follow: str
-    """A shell command that follows the job's log."""
-
-
-def job_name(cfg: Any) -> str:
-    """``parallel.launch.job_name`` or ``portatrain-<recipe>``, lower-case letters, digits and ``-``."""
-    name = cfg.parallel.launch.job_name or f"portatrain-{cfg.recipe}"
-    return "".join(c if c.isalnum() or c == "-" else "-" for c in name.lower()).strip("-")[:50]
-
-
-def describe_job(cfg: Any) -> str:
-    """One line for a job file's header: recipe, hosts, processes and the resolved layout."""
-    from portatrain.parallel.parallel_dims import ParallelDims
-
-    launch = cfg.parallel.launch
-    dims = ParallelDims.from_config(cfg.parallel, world_size=launch.nodes * launch.procs_per_node)
-    return (
-        f"recipe {cfg.recipe}, {launch.nodes} node(s) x {launch.procs_per_node} process(es), "
-        f"{dims.describe()}"
-    )
-
-
-def _key(override: str) -> str:
-    return override.lstrip("+~").partition("=")[0]
-
-
-def override_value(overrides: Sequence[str], key: str) -> str | None:
-    """The value the command line gives ``key`` (the last one wins, as in Hydra), else None."""
-    value = None
-    for override in overrides:
-        if _key(override) == key and "=" in override:
-            value = override.partition("=")[2]
-    return value
-
-
-def training_overrides(overrides: Sequence[str]) -> list[str]:
-    """The overrides the training processes need: all but ``parallel.launch.*`` (job shape only)."""
-    return [o for o in overrides if not _key(o).startswith("parallel.launch.")]
-
-
-def job_overrides(overrides: Sequence[str], *, run_dir: str | None = None) -> list[str]:
-    """The training command of a scheduler job: ``training_overrides`` plus ``checkpoint.resume=auto``
-    (a requeued or restarted job continues from its newest checkpoint; an explicit
-    ``checkpoint.resume`` wins) and, where given, the job's ``run_dir``."""
-    args = training_overrides(overrides)
-    if override_value(args, "checkpoint.resume") is None:
-        args.append("checkpoint.resume=auto")
-    if run_dir is not None and override_value(args, "run_dir") is None:
-        args.append(f"run_dir={run_dir}")
-    return args
-
-
-def torchrun_args(*, nnodes: int | str, nproc_per_node: int, rdzv_endpoint: str, rdzv_id: str) -> list[str]:
-    """torchrun's multi-host arguments: a c10d rendezvous every agent reaches at ``rdzv_endpoint``."""
-    return [
-        f"--nnodes={nnodes}",
-        f"--nproc-per-node={nproc_per_node}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={rdzv_endpoint}",
-        f"--rdzv-id={rdzv_id}",
-    ]
 
 
 def launch_problems(cfg: Any) -> list[str]:

@@ -62,7 +62,7 @@ from typing import Any
 
 import yaml
 
-from portatrain.launch import (
+from portatrain.launch.job import (
     RenderedJob,
     SubmittedJob,
     describe_job,
@@ -493,7 +493,7 @@ def follow_command(cfg: Any, name: str) -> str:
 
 def submit(cfg: Any, job: RenderedJob) -> SubmittedJob:
     """``kubectl create -f`` the job (from ``parallel.launch.output`` when set, else stdin)."""
-    from portatrain.launch import SubmitError
+    from portatrain.launch.job import SubmitError
 
     output = cfg.parallel.launch.output
     if output:

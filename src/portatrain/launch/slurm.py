@@ -40,7 +40,7 @@ import shlex
 from collections.abc import Sequence
 from typing import Any
 
-from portatrain.launch import describe_job, job_name, torchrun_args
+from portatrain.launch.job import describe_job, job_name, torchrun_args
 from portatrain.redact import is_secret
 
 _JOB_ID = re.compile(r"^(\d+)(?:;\S+)?$")
