@@ -2,7 +2,7 @@
 
 What is here, top to bottom:
 
-* :func:`grouped_mm` -- ``x[offs[g-1]:offs[g]] @ w[g]`` for every group ``g``, as one custom op:
+* :func:`grouped_linear` -- ``x[offs[g-1]:offs[g]] @ w[g].T`` for every group ``g``, as custom ops:
   ``torch._grouped_mm`` where it runs (CPU fp32 eager, CUDA bf16 on sm90+), a loop over the groups
   elsewhere. Opaque to ``torch.compile`` (its output shape is static), so a compiled block never
   traces the data-dependent group sizes.
@@ -77,51 +77,62 @@ def _group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
 
 
 @torch.library.custom_op("portatrain::grouped_mm", mutates_args=())
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``[N, K] x [G, K, M] -> [N, M]``: rows ``offs[g-1]:offs[g]`` of ``x`` times ``w[g]`` (``offs``:
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``[N, K] x [G, K, M] -> [N, M]``: rows ``offs[g-1]:offs[g]`` of ``a`` times ``b[g]`` (``offs``:
     int32 cumulative group ends, ``offs[-1] == N``)."""
-    if _native_grouped_mm(x, w):
-        return torch._grouped_mm(x, w, offs=offs)
-    out = x.new_empty(x.shape[0], w.shape[-1])
+    if _native_grouped_mm(a, b):
+        return torch._grouped_mm(a, b, offs=offs)
+    out = a.new_empty(a.shape[0], b.shape[-1])
     for g, (start, end) in enumerate(_group_bounds(offs)):
-        out[start:end] = x[start:end] @ w[g]
+        out[start:end] = a[start:end] @ b[g]
     return out
 
 
 @grouped_mm.register_fake
-def _(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], w.shape[-1])
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[-1])
 
 
-@torch.library.custom_op("portatrain::grouped_mm_weight_grad", mutates_args=())
-def grouped_mm_weight_grad(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``[N, K], [N, M] -> [G, K, M]``: ``x[group].T @ grad[group]`` per group (the weight gradient)."""
-    if _native_grouped_mm(x, grad) and x.shape[0] * x.element_size() % 16 == 0:
-        return torch._grouped_mm(x.t(), grad, offs=offs)
-    out = x.new_zeros(offs.shape[0], x.shape[1], grad.shape[1])
+@torch.library.custom_op("portatrain::grouped_outer", mutates_args=())
+def grouped_outer(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``[N, K], [N, M] -> [G, K, M]``: ``a[group].T @ b[group]`` per group (a weight gradient)."""
+    if _native_grouped_mm(a, b) and a.shape[0] * a.element_size() % 16 == 0:
+        return torch._grouped_mm(a.t(), b, offs=offs)
+    out = a.new_zeros(offs.shape[0], a.shape[1], b.shape[1])
     for g, (start, end) in enumerate(_group_bounds(offs)):
-        out[g] = x[start:end].t() @ grad[start:end]
+        out[g] = a[start:end].t() @ b[start:end]
     return out
 
 
-@grouped_mm_weight_grad.register_fake
-def _(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(offs.shape[0], x.shape[1], grad.shape[1])
+@grouped_outer.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(offs.shape[0], a.shape[1], b.shape[1])
 
 
-def _grouped_mm_setup(ctx, inputs, output) -> None:  # noqa: ANN001 (torch.library's signature)
-    x, w, offs = inputs
-    ctx.save_for_backward(x, w, offs)
+@torch.library.custom_op("portatrain::grouped_linear", mutates_args=())
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear`` per group: rows of group ``g`` times ``weight[g].T`` (``weight [G, out, in]``, the
+    layout the experts store, so gradients come back in it with no copy)."""
+    return grouped_mm(x, weight.transpose(1, 2), offs)
 
 
-def _grouped_mm_backward(ctx, grad: torch.Tensor):  # noqa: ANN001
-    x, w, offs = ctx.saved_tensors
+@grouped_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+def _grouped_linear_setup(ctx, inputs, output) -> None:  # noqa: ANN001 (torch.library's signature)
+    x, weight, offs = inputs
+    ctx.save_for_backward(x, weight, offs)
+
+
+def _grouped_linear_backward(ctx, grad: torch.Tensor):  # noqa: ANN001
+    x, weight, offs = ctx.saved_tensors
     grad = grad.contiguous()
-    grad_x = grouped_mm(grad, w.transpose(1, 2).contiguous(), offs)
-    return grad_x, grouped_mm_weight_grad(x, grad, offs), None
+    return grouped_mm(grad, weight, offs), grouped_outer(grad, x, offs), None
 
 
-grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+grouped_linear.register_autograd(_grouped_linear_backward, setup_context=_grouped_linear_setup)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,15 +175,24 @@ class GroupedExperts(nn.Module):
         trunc_normal_(self.gate_up_proj, std)
         trunc_normal_(self.down_proj, out_std)
 
-    def grouped(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """Rows of ``x [N, dim]`` sorted by expert, group ends ``offs``: ``[N, dim]`` (dropless)."""
-        gate, up = grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs).chunk(2, dim=-1)
-        return grouped_mm(self.swiglu_fn(gate, up), self.down_proj.transpose(1, 2), offs)
+    # Both take each row's routing weight and apply it to the SwiGLU activations (width ``hidden``)
+    # rather than to the outputs (width ``dim``, larger): the down projection is linear, so the
+    # result is the same, with less memory traffic.
 
-    def batched(self, x: torch.Tensor) -> torch.Tensor:
-        """Each expert's slots ``x [n_experts, slots, dim]``: ``[n_experts, slots, dim]`` (capacity)."""
-        gate, up = torch.bmm(x, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
-        return torch.bmm(self.swiglu_fn(gate, up), self.down_proj.transpose(1, 2))
+    def grouped(self, x: torch.Tensor, offs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Rows of ``x [N, dim]`` sorted by expert, group ends ``offs``, routing ``weights [N]``:
+        ``[N, dim]`` (dropless)."""
+        gate, up = grouped_linear(x, self.gate_up_proj, offs).chunk(2, dim=-1)
+        return grouped_linear(self.swiglu_fn(gate, up) * weights[:, None], self.down_proj, offs)
+
+    def batched(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each expert's slots ``x [n_experts, slots, dim]`` with routing ``weights [n_experts, slots]``:
+        ``[n_experts, slots, dim]`` (capacity)."""
+        # Features first (``weight @ x^T``), so the weights' gradients come back in their stored
+        # layout and are not copied into it.
+        gate, up = torch.matmul(self.gate_up_proj, x.transpose(1, 2)).chunk(2, dim=1)
+        hidden = self.swiglu_fn(gate, up) * weights[:, None, :]
+        return torch.matmul(self.down_proj, hidden).transpose(1, 2)
 
 
 class _AddAuxLoss(torch.autograd.Function):
@@ -280,8 +300,7 @@ class MoE(nn.Module):
             0, flat_experts, torch.ones_like(flat_experts, dtype=torch.int32)
         )
         offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        out = self.experts.grouped(x[token[order]], offs)
-        out = out * flat_weights[order, None].to(out.dtype)
+        out = self.experts.grouped(x[token[order]], offs, flat_weights[order].to(x.dtype))
         return torch.zeros_like(x).index_add_(0, token[order], out)
 
     def _capacity(
@@ -294,9 +313,11 @@ class MoE(nn.Module):
         trash = self.n_experts * slots  # one extra row that dropped assignments write to, never read
         slot = torch.where(kept, flat_experts * slots + position, trash)
         buffer = x.new_zeros(trash + 1, x.shape[1]).index_put((slot,), x[token])
-        out = self.experts.batched(buffer[:trash].view(self.n_experts, slots, -1)).reshape(trash, -1)
-        out = torch.cat([out, out.new_zeros(1, out.shape[1])])[slot]
-        out = out * (flat_weights * kept).to(out.dtype)[:, None]
+        slot_weights = x.new_zeros(trash + 1).index_put((slot,), (flat_weights * kept).to(x.dtype))
+        out = self.experts.batched(
+            buffer[:trash].view(self.n_experts, slots, -1), slot_weights[:trash].view(self.n_experts, slots)
+        ).reshape(trash, -1)
+        out = torch.cat([out, out.new_zeros(1, out.shape[1])])[slot]  # a dropped row reads zeros
         y = torch.zeros_like(x).index_add_(0, token, out)
         return y, (~kept).sum().float()
 
