@@ -323,7 +323,7 @@ def test_two_ranks_skip_a_damaged_checkpoint_together(tmp_path: Path) -> None:
     out = _torchrun(
         ["trainer.steps=3", f"checkpoint.resume={_step(run_dir, 3)}", f"run_dir={run_dir}"], tmp_path
     )
-    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.returncode != 0, out.stderr[-3000:]  # the ranks exit 2, torchrun then 1
     errors = [line for line in out.stderr.splitlines() if "portatrain train: error" in line]
     assert len(errors) == 1 and "step_0000003 is damaged" in errors[0], (
         errors

@@ -168,8 +168,8 @@ def verify_loaded(
         wrong = [k for k in sorted(keys) if actual[k] != expected[k]]
         if wrong:
             raise DamagedCheckpointError(
-                f"checkpoint {path} is damaged: {some(wrong)} differ from what was saved (their content "
-                "checksums do not match; a *.distcp file was overwritten or corrupted on disk). " + fix
+                f"checkpoint {path} is damaged: the content checksum of {some(wrong)} does not match the "
+                "one written when it was saved (a *.distcp file was overwritten or corrupted on disk). " + fix
             )
     bad = nonfinite_keys(tensors)
     if bad:
