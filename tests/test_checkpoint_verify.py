@@ -145,7 +145,9 @@ def test_nan_written_into_a_weight_is_refused_at_load(run_copy: Path, caplog, ch
         del state["checksums"]
         (step3 / "trainer_state.json").write_text(__import__("json").dumps(state))
     key = _rewrite_with_nan(step3)
-    expected = "is damaged: " if checksummed else "holds non-finite (NaN/inf) values in "
+    expected = (
+        "is damaged: the content checksum of " if checksummed else "holds non-finite (NaN/inf) values in "
+    )
     with pytest.raises(DamagedCheckpointError) as info:
         _resume(run_copy, f"checkpoint.resume={step3}")
     assert expected + key in str(info.value), str(info.value)
