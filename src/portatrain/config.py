@@ -60,6 +60,12 @@ class ModelConfig:
     """RMSNorm epsilon."""
     tie_embeddings: bool | None = None
     """Share the embedding matrix with the output projection."""
+    n_experts: int | None = None
+    """Mixture-of-experts families: routed experts per sparse block."""
+    top_k: int | None = None
+    """Mixture-of-experts families: experts each token is routed to."""
+    moe_ffn_dim: int | None = None
+    """Mixture-of-experts families: each expert's SwiGLU width."""
     moe_dispatch: str = "auto"
     """Mixture-of-experts families: ``dropless`` (every token reaches its experts; shapes vary with
     the routing), ``capacity`` (a fixed number of slots per expert, overflow dropped and counted;

@@ -127,6 +127,10 @@ def progress_postfix(record: dict[str, Any]) -> dict[str, str]:
         postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
     if record.get("memory_peak_bytes") is not None:
         postfix["mem"] = f"{record['memory_peak_bytes'] / GIB:.2f}G"
+    if record.get("moe_load_max_mean") is not None:  # a mixture of experts: the busiest expert's load
+        postfix["moe_load"] = f"{record['moe_load_max_mean']:.2f}"
+    if record.get("moe_dropped") is not None:
+        postfix["moe_drop"] = f"{100 * record['moe_dropped']:.1f}%"
     return postfix
 
 

@@ -94,7 +94,8 @@ from portatrain.metrics import (
     resolve_peak_flops,
     throughput_metrics,
 )
-from portatrain.models import build_model, get_spec
+from portatrain.models import build_model, get_spec, moe_dispatch
+from portatrain.models.common.moe import configure_moe, routing_stats
 from portatrain.nonfinite import NONFINITE_MODES, NonFiniteError, NonFiniteGuard
 from portatrain.optim import build_lr_scheduler, build_optimizer
 from portatrain.parallel import (
@@ -211,6 +212,15 @@ class Trainer:
             self.compile_cache.activate()
         with torch.device("meta"):
             model = self.build_model()
+        # Mixture-of-experts layers (none in a dense model): the dispatch the device wants
+        # (model.moe_dispatch=auto: fixed-capacity slots where the compiler wants static shapes) and
+        # the load-balancing loss as a mean over the step's micro-batches and data-parallel ranks.
+        configure_moe(
+            model,
+            dispatch=moe_dispatch(cfg.model, static_shapes=self.accelerator.static_shapes),
+            capacity_factor=cfg.model.capacity_factor,
+            aux_loss_scale=1.0 / (cfg.trainer.grad_accum * self.dp_world_size),
+        )
         # Kernel overrides (kernels.enabled), resolved once and swapped into the model's op slots
         # before parallelize, so compiled blocks trace each kernel as one custom op.
         self.kernels = resolve_kernels(cfg.kernels.enabled, self.accelerator.device_type)
@@ -562,6 +572,7 @@ class Trainer:
             ),
             **memory_metrics(self.accelerator.memory_stats()),
             **self.compile_monitor.metrics(),
+            **routing_stats(self.model),  # this rank's experts' load, auxiliary loss, drops
             **audit,
         }
         if self.nonfinite_skipped:

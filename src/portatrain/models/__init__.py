@@ -39,6 +39,9 @@ ARCH_OVERRIDES: tuple[str, ...] = (
     "norm_eps",
     "tie_embeddings",
     "max_seq_len",
+    "n_experts",
+    "top_k",
+    "moe_ffn_dim",
 )
 """``ModelConfig`` fields that change the architecture on top of the flavour (None keeps it).
 ``vocab_size`` is handled apart: it combines with the tokenizer's (see :func:`model_args`)."""
