@@ -158,10 +158,7 @@ def lock_run_dir(run_dir: str | Path) -> RunDirLock:
         folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
-        raise RunDirNotWritableError(
-            f"run directory {folder} is not writable ({exc.strerror}): checkpoints and metrics could "
-            "not be saved. Choose a writable run_dir=... or fix its permissions"
-        ) from None
+        raise _not_writable(folder, exc) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -187,11 +184,15 @@ def lock_run_dir(run_dir: str | Path) -> RunDirLock:
             raise PermissionError(13, "Permission denied", str(checkpoints))
     except OSError as exc:
         os.close(fd)
-        raise RunDirNotWritableError(
-            f"run directory {exc.filename or folder} is not writable ({exc.strerror}): checkpoints and "
-            "metrics could not be saved. Choose a writable run_dir=... or fix its permissions"
-        ) from None
+        raise _not_writable(exc.filename or folder, exc) from None
     return RunDirLock(lock_path, fd)
+
+
+def _not_writable(path: str | Path, exc: OSError) -> RunDirNotWritableError:
+    return RunDirNotWritableError(
+        f"run directory {path} is not writable ({exc.strerror}): checkpoints and "
+        "metrics could not be saved. Choose a writable run_dir=... or fix its permissions"
+    )
 
 
 def remove_unused_lock(run_dir: str | Path) -> bool:
