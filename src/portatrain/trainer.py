@@ -44,6 +44,7 @@ import contextlib
 import logging
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -214,12 +215,16 @@ class Trainer:
             model = self.build_model()
         # Mixture-of-experts layers (none in a dense model): the dispatch the device wants
         # (model.moe_dispatch=auto: fixed-capacity slots where the compiler wants static shapes) and
-        # the load-balancing loss as a mean over the step's micro-batches and data-parallel ranks.
+        # the load-balancing loss over the global batch (statistics summed over the data-parallel
+        # ranks), a mean over the step's micro-batches.
         configure_moe(
             model,
             dispatch=moe_dispatch(cfg.model, static_shapes=self.accelerator.static_shapes),
             capacity_factor=cfg.model.capacity_factor,
-            aux_loss_scale=1.0 / (cfg.trainer.grad_accum * self.dp_world_size),
+            aux_loss_scale=1.0 / cfg.trainer.grad_accum,
+            reduce_stats=partial(dp_all_reduce, parallel_dims=self.parallel_dims)
+            if self.dp_world_size > 1
+            else None,
         )
         # Kernel overrides (kernels.enabled), resolved once and swapped into the model's op slots
         # before parallelize, so compiled blocks trace each kernel as one custom op.

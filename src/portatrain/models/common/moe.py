@@ -32,16 +32,25 @@ https://arxiv.org/abs/2101.03961) in Qwen 3 MoE's form (transformers'
 ``e`` per token and ``P_e`` the mean router probability of ``e``. It is added to the gradient inside
 the layer (:class:`_AddAuxLoss`, as DeepSeek's published modelling code does), scaled by
 ``aux_loss_coef * aux_loss_scale``; the model's output and the logged language-model loss are
-unchanged, and the trainer sets ``aux_loss_scale`` to ``1 / (micro-batches * data-parallel ranks)``
-so the loss is a mean over the global batch's forward passes, as with Hugging Face's trainer.
+unchanged. Its statistics are the global batch's (summed over the data-parallel ranks by
+``MoE.reduce_stats``, which the trainer sets), and the trainer sets ``aux_loss_scale`` to
+``1 / micro-batches``, so every layout computes the loss one process would.
 
 Routing statistics accumulate in non-persistent buffers (no host sync); :func:`routing_stats`
 reads and resets them at logging steps.
+
+Expert parallelism is a slot, not a branch on the world: ``MoE.exchange`` is None on one device;
+the parallel stage (``portatrain.parallel.expert``) sets it to an object that carries the sorted rows
+(dropless) or the slot buffer (capacity) to the ranks holding their experts and back, and passes the
+experts' weights, stored as DTensors split over the experts, are read through ``GroupedExperts``'
+``weight_view`` slot (identity here; the rank's local shard under expert parallel).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -162,6 +171,10 @@ class Router(nn.Module):
         return weights, experts, probs
 
 
+def _stored(weight: torch.Tensor) -> torch.Tensor:
+    return weight
+
+
 class GroupedExperts(nn.Module):
     """``n_experts`` SwiGLU feed-forwards with stacked weights; ``swiglu_fn`` is the kernel slot."""
 
@@ -170,6 +183,7 @@ class GroupedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
         self.swiglu_fn = swiglu  # silu(gate) * up, unless a kernel override replaces it
+        self.weight_view = _stored  # the weights as computed with (expert parallel: the local shard)
 
     def init_weights(self, std: float, out_std: float) -> None:
         trunc_normal_(self.gate_up_proj, std)
@@ -179,20 +193,40 @@ class GroupedExperts(nn.Module):
     # rather than to the outputs (width ``dim``, larger): the down projection is linear, so the
     # result is the same, with less memory traffic.
 
+    # Under expert parallel the weights read through ``weight_view`` hold this rank's experts
+    # only (a slice along dim 0), so ``n_experts`` below is however many experts they hold.
+
     def grouped(self, x: torch.Tensor, offs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Rows of ``x [N, dim]`` sorted by expert, group ends ``offs``, routing ``weights [N]``:
         ``[N, dim]`` (dropless)."""
-        gate, up = grouped_linear(x, self.gate_up_proj, offs).chunk(2, dim=-1)
-        return grouped_linear(self.swiglu_fn(gate, up) * weights[:, None], self.down_proj, offs)
+        gate_up_proj, down_proj = self.weight_view(self.gate_up_proj), self.weight_view(self.down_proj)
+        gate, up = grouped_linear(x, gate_up_proj, offs).chunk(2, dim=-1)
+        return grouped_linear(self.swiglu_fn(gate, up) * weights[:, None], down_proj, offs)
 
     def batched(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each expert's slots ``x [n_experts, slots, dim]`` with routing ``weights [n_experts, slots]``:
         ``[n_experts, slots, dim]`` (capacity)."""
+        gate_up_proj, down_proj = self.weight_view(self.gate_up_proj), self.weight_view(self.down_proj)
         # Features first (``weight @ x^T``), so the weights' gradients come back in their stored
         # layout and are not copied into it.
-        gate, up = torch.matmul(self.gate_up_proj, x.transpose(1, 2)).chunk(2, dim=1)
+        gate, up = torch.matmul(gate_up_proj, x.transpose(1, 2)).chunk(2, dim=1)
         hidden = self.swiglu_fn(gate, up) * weights[:, None, :]
-        return torch.matmul(self.down_proj, hidden).transpose(1, 2)
+        return torch.matmul(down_proj, hidden).transpose(1, 2)
+
+
+class ExpertExchange(Protocol):
+    """What ``MoE.exchange`` holds: the experts run somewhere else (expert parallel). Each method
+    returns rows in the order it was given them."""
+
+    def grouped(
+        self, experts: GroupedExperts, rows: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Dropless: ``rows [N, dim]`` sorted by expert, ``counts [n_experts]`` rows per expert."""
+        ...
+
+    def batched(self, experts: GroupedExperts, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Capacity: every expert's ``slots [n_experts, slots, dim]``, routing ``weights [n_experts, slots]``."""
+        ...
 
 
 class _AddAuxLoss(torch.autograd.Function):
@@ -241,6 +275,10 @@ class MoE(nn.Module):
         self.dispatch = "dropless"
         self.capacity_factor = 1.25
         self.aux_loss_scale = 1.0
+        # Sums routing statistics over the data-parallel ranks (set by the trainer), or None.
+        self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Expert-parallel slot (set by portatrain.parallel.expert): None while every expert is here.
+        self.exchange: ExpertExchange | None = None
         # Routing statistics since the last read (routing_stats): assignments per expert, dropped
         # assignments, and the auxiliary loss summed over forward passes.
         self.register_buffer("expert_load", torch.zeros(n_experts), persistent=False)
@@ -281,9 +319,20 @@ class MoE(nn.Module):
         load = torch.zeros(self.n_experts, device=x.device).index_add_(
             0, flat_experts, torch.ones_like(flat_weights)
         )
-        aux = self.n_experts * (load / x.shape[0] * probs.mean(dim=0)).sum()
+        # The balance loss over the global batch: assignment counts, probability sums and token
+        # counts summed over the data-parallel ranks (``reduce_stats``, set by the trainer; identity
+        # on one rank). Each rank's gradient is then its own tokens' share of the global loss's, so
+        # any layout trains as one process would (and as Qwen's global-batch balancing, Qiu et al.
+        # 2025, https://arxiv.org/abs/2501.11873).
+        prob_sums = probs.sum(dim=0)
+        stats = torch.cat([load, prob_sums.detach(), load.new_full((1,), x.shape[0])])
+        if self.reduce_stats is not None:
+            stats = self.reduce_stats(stats)
+        load_share = stats[: self.n_experts] / stats[-1]  # assignments per token, per expert
+        aux = self.n_experts * (load_share * stats[self.n_experts : -1]).sum() / stats[-1]  # its value
         if self.training and self.aux_loss_coef > 0 and torch.is_grad_enabled():
-            y = _AddAuxLoss.apply(y, aux, self.aux_loss_coef * self.aux_loss_scale)
+            own = self.n_experts * (load_share * prob_sums).sum() / stats[-1]  # this rank's gradient
+            y = _AddAuxLoss.apply(y, own, self.aux_loss_coef * self.aux_loss_scale)
         with torch.no_grad():
             self.expert_load.add_(load)
             self.aux_loss_sum.add_(aux.detach())
@@ -299,8 +348,11 @@ class MoE(nn.Module):
         counts = torch.zeros(self.n_experts, dtype=torch.int32, device=x.device).index_add_(
             0, flat_experts, torch.ones_like(flat_experts, dtype=torch.int32)
         )
-        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        out = self.experts.grouped(x[token[order]], offs, flat_weights[order].to(x.dtype))
+        rows, row_weights = x[token[order]], flat_weights[order].to(x.dtype)
+        if self.exchange is None:
+            out = self.experts.grouped(rows, torch.cumsum(counts, dim=0, dtype=torch.int32), row_weights)
+        else:
+            out = self.exchange.grouped(self.experts, rows, counts, row_weights)
         return torch.zeros_like(x).index_add_(0, token[order], out)
 
     def _capacity(
@@ -314,9 +366,13 @@ class MoE(nn.Module):
         slot = torch.where(kept, flat_experts * slots + position, trash)
         buffer = x.new_zeros(trash + 1, x.shape[1]).index_put((slot,), x[token])
         slot_weights = x.new_zeros(trash + 1).index_put((slot,), (flat_weights * kept).to(x.dtype))
-        out = self.experts.batched(
-            buffer[:trash].view(self.n_experts, slots, -1), slot_weights[:trash].view(self.n_experts, slots)
-        ).reshape(trash, -1)
+        expert_slots = buffer[:trash].view(self.n_experts, slots, -1)
+        expert_weights = slot_weights[:trash].view(self.n_experts, slots)
+        if self.exchange is None:
+            out = self.experts.batched(expert_slots, expert_weights)
+        else:
+            out = self.exchange.batched(self.experts, expert_slots, expert_weights)
+        out = out.reshape(trash, -1)
         out = torch.cat([out, out.new_zeros(1, out.shape[1])])[slot]  # a dropped row reads zeros
         y = torch.zeros_like(x).index_add_(0, token, out)
         return y, (~kept).sum().float()
@@ -343,9 +399,17 @@ def routing_stats(model: nn.Module) -> dict[str, float]:
     return stats
 
 
-def configure_moe(model: nn.Module, *, dispatch: str, capacity_factor: float, aux_loss_scale: float) -> int:
+def configure_moe(
+    model: nn.Module,
+    *,
+    dispatch: str,
+    capacity_factor: float,
+    aux_loss_scale: float,
+    reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> int:
     """Set every :class:`MoE` layer's execution settings; returns how many there are."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     for m in layers:
         m.dispatch, m.capacity_factor, m.aux_loss_scale = dispatch, capacity_factor, aux_loss_scale
+        m.reduce_stats = reduce_stats
     return len(layers)
