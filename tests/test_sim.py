@@ -349,7 +349,7 @@ def test_inductor_on_sim_matches_cpu(tmp_path: Path, cpu_losses: list) -> None:
 
 
 def test_trainer_step_on_sim_makes_no_host_sync_or_fallback(tmp_path: Path) -> None:
-    """STYLE rule 18 on the device that counts: three ``train_step`` calls, zero offences."""
+    """No host sync in a training step, on the device that counts: three ``train_step`` calls, zero offences."""
     out = run_python(
         f"""
         from pathlib import Path
