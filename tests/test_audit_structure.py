@@ -18,6 +18,7 @@ AUDIT = Path(__file__).resolve().parents[1] / "src" / "portatrain" / "audit"
 AUDIT_LAYERS: list[tuple[str, ...]] = [
     ("rules", "tree", "names", "suppressions", "sources", "runtime"),  # leaves of the package
     ("config", "finding", "step", "tensors"),  # the config; a finding; what the checks read
+    ("guards",),  # which code only CUDA reaches (reads the tensor inference's assignments)
     ("context",),  # one file being scanned
     ("registry",),  # how a rule family registers its checks
     ("checks",),  # the rule families

@@ -1,5 +1,6 @@
 """What every check of one file shares: the parsed file, what its names stand for, where its
-training step is, which expressions are tensors, and the findings so far.
+training step is, which expressions are tensors, which code only CUDA reaches, and the findings
+so far.
 
 A check reads the file through :class:`FileScan` and reports through :meth:`FileScan.report`,
 which keeps at most one finding per rule and line (one is enough to act on) and marks a finding
@@ -11,6 +12,7 @@ from __future__ import annotations
 import ast
 
 from portatrain.audit.finding import Finding
+from portatrain.audit.guards import DeviceGuards
 from portatrain.audit.names import Names
 from portatrain.audit.rules import RULES
 from portatrain.audit.step import TrainingStep
@@ -26,8 +28,9 @@ class FileScan:
         self.path = path
         self.tree = SourceTree(module, source)
         self.names = Names(module)
-        self.step = TrainingStep(self.tree, self.names)
         self.tensors = TensorInference(self.tree, self.names)
+        self.step = TrainingStep(self.tree, self.names, self.tensors.resolve_default)
+        self.guards = DeviceGuards(self.tree, self.names, self.tensors)
         self._suppressions = read_suppressions(source)
         self._findings: dict[tuple[str, int], Finding] = {}
         self._claimed: set[int] = set()  # nodes inside a finding that already covers them

@@ -127,6 +127,27 @@ _RULES: tuple[Rule, ...] = (
         "`dist.init_process_group()` without `backend` (torch picks the device's), or "
         "`dist.get_default_backend_for_device(device)`",
     ),
+    Rule(
+        "nccl-backend-map",
+        "error",
+        1,
+        "CUDA-only API",
+        'a per-device backend table that gives CUDA `"nccl"` and every other device a fallback '
+        '(`{"cuda": "nccl", "cpu": "gloo"}`, `"nccl" if device_type == "cuda" else "gloo"`): '
+        "TPU and Trainium get no backend of their own",
+        "`dist.get_default_backend_for_device(device)` (torch knows each device's backend), or "
+        "`dist.init_process_group()` without `backend`",
+    ),
+    Rule(
+        "cuda-only-fast-path",
+        "warning",
+        1,
+        "CUDA-only API",
+        "a portable speed-up (`fused=` optimizer, `non_blocking=` copies) switched on only when the "
+        'device is CUDA (`device_type == "cuda"`): every other accelerator silently takes the slow path',
+        "switch it on for every device that supports it: a per-device setting the device adapter owns, "
+        'not a test of `device_type == "cuda"`',
+    ),
     # -- kernels and libraries (level 2) ------------------------------------------------------
     Rule(
         "cuda-library",
@@ -144,6 +165,24 @@ _RULES: tuple[Rule, ...] = (
         "kernels and libraries",
         "a custom C++/CUDA extension (`torch.utils.cpp_extension`, `.cu` sources) builds only for NVIDIA",
         "a pure-PyTorch implementation (let `torch.compile` fuse it), or a kernel per backend behind one op",
+    ),
+    Rule(
+        "sync-batchnorm",
+        "warning",
+        2,
+        "kernels and libraries",
+        "`nn.SyncBatchNorm` synchronizes statistics only on CUDA, XPU, HPU and PrivateUse1 devices; "
+        "on XLA (and the CPU) its forward raises once a process group is up",
+        "`nn.GroupNorm`/`nn.LayerNorm` (no cross-device statistics), or per-replica `nn.BatchNorm2d`",
+    ),
+    Rule(
+        "feature-probe",
+        "warning",
+        2,
+        "kernels and libraries",
+        'a probe for a torch feature every supported torch has (`hasattr(F, "scaled_dot_product_attention")`): '
+        "the fallback it keeps is dead code that still has to be ported and tested",
+        "use the feature unconditionally and delete the fallback path",
     ),
     # -- attention (level 2) ------------------------------------------------------------------
     Rule(
@@ -186,6 +225,16 @@ _RULES: tuple[Rule, ...] = (
         "host syncs",
         "Python `if`/`while` on a tensor value in the training step: a host sync and a graph break",
         "`torch.where`, or do the check on logging steps only",
+    ),
+    Rule(
+        "eval-host-copy",
+        "warning",
+        5,
+        "host syncs",
+        "each evaluation batch's outputs copied to the host (`.cpu()`, `.numpy()`, `.tolist()`): "
+        "the device waits for every copy",
+        "keep the outputs on the device (`torch.cat` them after the loop, or sum metrics as tensors) "
+        "and copy them to the host once",
     ),
     # -- dynamic shapes (level 4) -------------------------------------------------------------
     Rule(

@@ -8,14 +8,26 @@ function or a data collator costs nothing per step and is not reported. Inside t
 under a logging gate (``if step % log_every == 0:``, ``if should_log:``) is exempt: reading values
 on logging steps only is how a loop keeps the device busy between them (see "Avoid unnecessary
 CPU-GPU synchronization" in https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html).
+A gate whose interval defaults to 1 (``log_interval = 1``, ``add_argument("--log-interval",
+default=1)``, a config field ``log_every: int = 1``) opens on every step, so it exempts nothing.
+
+An *evaluation loop* is a loop outside the training step that calls a model, in a function named
+for evaluation (``evaluate``, ``validate``, ``estimate_loss``, ...) or under ``torch.no_grad()``/
+``torch.inference_mode()``: copying each batch's outputs to the host there stalls the device once
+per batch.
 """
 
 from __future__ import annotations
 
 import ast
+import re
+from collections.abc import Callable
 
 from portatrain.audit.names import Names
 from portatrain.audit.tree import Function, Loop, SourceTree, terminal_name
+
+Resolver = Callable[[ast.Name], "ast.expr | None"]
+"""What a name holds when the code runs with its defaults (``TensorInference.resolve_default``)."""
 
 STEP_DRIVERS = frozenset({"train_step", "training_step", "forward_backward", "forward_backward_step"})
 """Functions that run one training step by contract: a loop that calls one is a training loop."""
@@ -25,14 +37,20 @@ names elsewhere), scanned as step code even when they do not call ``.backward()`
 ``compute_loss`` is one, but calling it does not make a loop a training loop (evaluation calls it)."""
 
 _LOG_WORDS = frozenset({"log", "logging", "print", "verbose", "report", "display", "debug"})
+_EVAL_FUNCTION = re.compile(r"eval|valid|test|predict|infer|estimate|score")
+_MODEL_CALL = re.compile(r"(^|_)(model|net|network|module|lm|encoder|decoder)($|_)|^forward$")
+_NO_GRAD = frozenset({"torch.no_grad", "torch.inference_mode"})
 
 
 class TrainingStep:
     """The training loops and step functions of one file, found once when it is built."""
 
-    def __init__(self, tree: SourceTree, names: Names) -> None:
+    def __init__(self, tree: SourceTree, names: Names, resolve: Resolver | None = None) -> None:
         self.tree = tree
         self.names = names
+        self._resolve: Resolver = resolve or (lambda name: None)
+        self._settings: dict[str, list[ast.expr]] | None = None
+        self._every_step: dict[int, str | None] = {}
         self.training_loops: set[int] = set()
         """``id`` of every loop whose body runs a training step."""
         self.step_functions: set[int] = set()
@@ -91,13 +109,15 @@ class TrainingStep:
         return id(node) in self.training_loops
 
     def contains(self, node: ast.AST) -> bool:
-        """Whether ``node`` runs on every training step (outside a logging gate)."""
+        """Whether ``node`` runs on every training step (outside a logging gate that opens less
+        often than every step)."""
         child, current = node, self.tree.parent(node)
         while current is not None:
             if (
                 isinstance(current, ast.If)
                 and any(child is s for s in current.body)
                 and is_log_gate(current.test)
+                and self.every_step_interval(current.test) is None
             ):
                 return False
             if (
@@ -112,6 +132,121 @@ class TrainingStep:
                 return False
             child, current = current, self.tree.parent(current)
         return False
+
+    def every_step_gate(self, node: ast.AST) -> str | None:
+        """The interval (as written) of the logging gate around ``node`` that defaults to 1, or None."""
+        child, current = node, self.tree.parent(node)
+        while current is not None and not isinstance(current, Function | ast.ClassDef):
+            if isinstance(current, ast.If) and any(child is s for s in current.body):
+                interval = self.every_step_interval(current.test)
+                if interval is not None:
+                    return interval
+            child, current = current, self.tree.parent(current)
+        return None
+
+    def every_step_interval(self, test: ast.expr) -> str | None:
+        """``step % log_interval == 0`` where ``log_interval`` defaults to 1: its text, else None."""
+        if id(test) not in self._every_step:
+            self._every_step[id(test)] = next(
+                (
+                    ast.unparse(sub.right)
+                    for sub in ast.walk(test)
+                    if isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.Mod) and self._is_one(sub.right)
+                ),
+                None,
+            )
+        return self._every_step[id(test)]
+
+    def _is_one(self, node: ast.expr, depth: int = 0) -> bool:
+        """Whether ``node`` is 1 when the code runs with its defaults."""
+        if depth > 4:
+            return False
+        if isinstance(node, ast.Constant):
+            return node.value == 1 and not isinstance(node.value, bool)
+        if isinstance(node, ast.Name):
+            value = self._resolve(node)
+            if value is not None:
+                return self._is_one(value, depth + 1)
+            defaults = self.settings().get(node.id, [])
+        elif isinstance(node, ast.Attribute):
+            defaults = self.settings().get(node.attr, [])
+        else:
+            return False
+        return bool(defaults) and all(self._is_one(d, depth + 1) for d in defaults)
+
+    def settings(self) -> dict[str, list[ast.expr]]:
+        """Setting name -> the defaults the file gives it: ``add_argument("--log-interval",
+        default=1)``, a class field ``log_interval: int = 1``, a ``"log_interval": 1`` dict entry."""
+        if self._settings is None:
+            found: dict[str, list[ast.expr]] = {}
+            for node in ast.walk(self.tree.module):
+                if isinstance(node, ast.Call) and terminal_name(node.func) == "add_argument":
+                    flag = next(
+                        (
+                            a.value
+                            for a in node.args
+                            if isinstance(a, ast.Constant) and str(a.value).startswith("--")
+                        ),
+                        None,
+                    )
+                    default = next((k.value for k in node.keywords if k.arg == "default"), None)
+                    dest = next((k.value for k in node.keywords if k.arg == "dest"), None)
+                    if isinstance(dest, ast.Constant):
+                        flag = str(dest.value)
+                    if flag is not None and default is not None:
+                        found.setdefault(str(flag).lstrip("-").replace("-", "_"), []).append(default)
+                elif isinstance(node, ast.ClassDef):
+                    for item in node.body:
+                        targets = [item.target] if isinstance(item, ast.AnnAssign) else []
+                        targets = item.targets if isinstance(item, ast.Assign) else targets
+                        value = getattr(item, "value", None)
+                        if len(targets) == 1 and isinstance(targets[0], ast.Name) and value is not None:
+                            found.setdefault(targets[0].id, []).append(value)
+                elif isinstance(node, ast.Dict):
+                    for key, value in zip(node.keys, node.values):
+                        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                            found.setdefault(key.value, []).append(value)
+            self._settings = found
+        return self._settings
+
+    def in_evaluation_loop(self, node: ast.AST) -> bool:
+        """Whether ``node`` runs once per batch of an evaluation loop (see the module docstring)."""
+        loop: ast.AST | None = None
+        guarded = False
+        child, current = node, self.tree.parent(node)
+        while current is not None:
+            if isinstance(current, Loop):
+                if id(current) in self.training_loops:
+                    return False
+                if loop is None and any(child is s for s in current.body):
+                    loop = current
+            elif isinstance(current, ast.ListComp | ast.SetComp | ast.GeneratorExp):
+                if loop is None and child is current.elt:
+                    loop = current
+            elif isinstance(current, ast.With | ast.AsyncWith):
+                guarded = guarded or any(self._no_grad(item.context_expr) for item in current.items)
+            elif isinstance(current, Function):
+                if id(current) in self.step_functions:
+                    return False
+                if isinstance(current, ast.FunctionDef | ast.AsyncFunctionDef):
+                    guarded = (
+                        guarded
+                        or bool(_EVAL_FUNCTION.search(current.name.lower()))
+                        or any(self._no_grad(d) for d in current.decorator_list)
+                    )
+                break
+            child, current = current, self.tree.parent(current)
+        return loop is not None and guarded and self._calls_model(loop)
+
+    def _no_grad(self, node: ast.expr) -> bool:
+        target = node.func if isinstance(node, ast.Call) else node
+        return self.names.qualname(target) in _NO_GRAD
+
+    def _calls_model(self, loop: ast.AST) -> bool:
+        return any(
+            isinstance(sub, ast.Call) and bool(_MODEL_CALL.search(terminal_name(sub.func).lower()))
+            for sub in ast.walk(loop)
+        )
 
 
 def is_log_gate(test: ast.expr) -> bool:

@@ -85,6 +85,7 @@ class TensorInference:
         self.names = names
         self._assignments: dict[int, dict[str, list[tuple[int, ast.expr]]]] = {}
         self._tensor_params: dict[int, dict[str, str]] = {}
+        self._dicts: dict[tuple[int, str], bool] = {}
 
     def assignments(self, scope: Scope) -> dict[str, list[tuple[int, ast.expr]]]:
         """Name -> [(line, assigned expression)] for the scope's own statements, in line order."""
@@ -126,6 +127,37 @@ class TensorInference:
             self._tensor_params[id(scope)] = kinds
         return self._tensor_params[id(scope)]
 
+    def resolve_default(self, name: ast.Name) -> ast.expr | None:
+        """What ``name`` holds when its code runs with defaults: the last assignment before it in
+        its own scope, else its parameter default, else the module's assignment of that name."""
+        value = self.resolve(name)
+        if value is not None:
+            return value
+        scope = self.tree.scope(name)
+        if isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            args = scope.args
+            positional = [*args.posonlyargs, *args.args]
+            for arg, default in zip(positional[len(positional) - len(args.defaults) :], args.defaults):
+                if arg.arg == name.id:
+                    return default
+            for arg, default in zip(args.kwonlyargs, args.kw_defaults):
+                if arg.arg == name.id:
+                    return default
+            if any(arg.arg == name.id for arg in [*positional, *args.kwonlyargs]):
+                return None  # a parameter without a default: the caller decides
+        entries = self.assignments(self.tree.module).get(name.id, [])
+        return entries[0][1] if len(entries) == 1 else None
+
+    def is_dict(self, name: ast.Name) -> bool:
+        """Whether ``name`` holds a mapping in its scope: it is read by string key (``out["loss"]``,
+        ``out.get("aux")``, ``"loss" in out``) or through ``.keys()``/``.items()``/``.values()``.
+        A model that returns a dict of outputs returns no tensor to test for truth."""
+        scope = self.tree.scope(name)
+        key = (id(scope), name.id)
+        if key not in self._dicts:
+            self._dicts[key] = any(_reads_as_dict(node, name.id) for node in walk_scope(scope))
+        return self._dicts[key]
+
     def is_tensor(self, node: ast.AST, depth: int = 0) -> bool:
         if depth > 8:
             return False
@@ -133,6 +165,8 @@ class TensorInference:
             kind = self.tensor_params(self.tree.scope(node)).get(node.id)
             if kind is not None:
                 return kind == "tensor"
+            if self.is_dict(node):
+                return False
             value = self.resolve(node)
             return value is not None and self.is_tensor(value, depth + 1)
         if isinstance(node, ast.Call):
@@ -148,6 +182,9 @@ class TensorInference:
                 node.value.id
             ):
                 return True  # an element of a dict[str, Tensor] / list[Tensor] parameter, or a slice
+            if _is_str(node.slice) and isinstance(node.value, ast.Name):
+                value = self.resolve(node.value)  # out["loss"]: an entry of what the model returned
+                return value is not None and self.is_tensor(value, depth + 1)
             return self.is_tensor(node.value, depth + 1)
         if isinstance(node, ast.Attribute):
             if node.attr in _NOT_TENSOR_ATTRS:
@@ -186,4 +223,28 @@ class TensorInference:
             return self.truth_read(test.operand)
         if isinstance(test, ast.Compare) and all(isinstance(op, ast.Is | ast.IsNot) for op in test.ops):
             return False  # `x is None` never reads the tensor
+        if (
+            isinstance(test, ast.Compare)
+            and all(isinstance(op, ast.In | ast.NotIn) for op in test.ops)
+            and _is_str(test.left)
+        ):
+            return False  # `"logit_bias" in out` tests a mapping's keys, not a tensor's values
         return self.is_tensor(test)
+
+
+def _is_str(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+
+def _reads_as_dict(node: ast.AST, name: str) -> bool:
+    """``name["key"]``, ``name.get(...)``/``.keys()``/``.items()``/``.values()``, ``"key" in name``."""
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.value, ast.Name) and node.value.id == name and _is_str(node.slice)
+    if isinstance(node, ast.Attribute) and node.attr in ("get", "keys", "items", "values"):
+        return isinstance(node.value, ast.Name) and node.value.id == name
+    if isinstance(node, ast.Compare) and _is_str(node.left):
+        return any(
+            isinstance(op, ast.In | ast.NotIn) and isinstance(right, ast.Name) and right.id == name
+            for op, right in zip(node.ops, node.comparators)
+        )
+    return False

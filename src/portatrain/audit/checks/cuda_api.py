@@ -1,7 +1,13 @@
 """CUDA-only APIs: ``torch.cuda.*`` (amp included), ``torch.backends.cuda``/``cudnn`` switches,
-``pin_memory`` tied to CUDA, and ``"nccl"`` hard-coded as the process-group backend.
+``pin_memory`` tied to CUDA, ``"nccl"`` hard-coded as the process-group backend or as the CUDA
+entry of a per-device backend table, and portable speed-ups switched on for CUDA only.
 
-Rules: ``cuda-api``, ``cuda-amp``, ``cuda-backend-flag``, ``pin-memory-cuda``, ``nccl-backend``.
+A ``torch.cuda`` call that only CUDA reaches (``if device.type == "cuda":``, see
+:mod:`portatrain.audit.guards`) is device-specific code in its place, not a finding; ``torch.cuda.amp``
+is reported anyway (deprecated on CUDA too).
+
+Rules: ``cuda-api``, ``cuda-amp``, ``cuda-backend-flag``, ``pin-memory-cuda``, ``nccl-backend``,
+``nccl-backend-map``, ``cuda-only-fast-path``.
 """
 
 from __future__ import annotations
@@ -79,7 +85,7 @@ def cuda_only_reference(scan: FileScan, node: ast.Name | ast.Attribute) -> None:
         head = parts[2] if len(parts) > 2 else ""
         if head == "amp":
             scan.report("cuda-amp", node, f"`{qualname}` is CUDA-only (and deprecated)")
-        elif head not in _DEVICE_CHOICE:
+        elif head not in _DEVICE_CHOICE and not scan.guards.cuda_only(node):
             scan.report("cuda-api", node, f"`{qualname}` is CUDA-only", _CUDA_API_REPLACEMENTS.get(head))
     elif is_cuda_backend(parts):
         if parts[-1] not in SDP_FLAGS:
@@ -93,11 +99,50 @@ def cuda_only_reference(scan: FileScan, node: ast.Name | ast.Attribute) -> None:
         scan.report("nccl-backend", node, f"`{qualname}` hard-codes the NCCL backend")
 
 
+_FAST_PATH_KEYWORDS: dict[str, str] = {
+    "fused": "`fused=True` for every device whose optimizer kernels support it (CUDA, XPU, MPS, CPU, ...), "
+    "a per-device setting of the device adapter",
+    "non_blocking": "`non_blocking=True` on every device (asynchronous host-to-device copies are not "
+    "CUDA's alone)",
+}
+"""Keyword -> its fix, for speed-ups other backends have too (``cuda-only-fast-path``)."""
+
+
+@FAMILY.check(ast.keyword)
+def cuda_only_fast_path(scan: FileScan, node: ast.keyword) -> None:
+    """``fused=use_fused`` where ``use_fused = ... and device_type == "cuda"``, or
+    ``non_blocking=True`` in a branch only CUDA takes."""
+    if node.arg not in _FAST_PATH_KEYWORDS:
+        return
+    value = node.value
+    switched_on = isinstance(value, ast.Constant) and value.value is True
+    if scan.guards.implies_cuda(value) or (switched_on and scan.guards.cuda_only(node)):
+        scan.report(
+            "cuda-only-fast-path",
+            node,
+            f"`{node.arg}={scan.text(value)}` is switched on only when the device is CUDA",
+            _FAST_PATH_KEYWORDS[node.arg],
+        )
+
+
+@FAMILY.check(ast.Call)
+def pin_memory_call(scan: FileScan, node: ast.Call) -> None:
+    if scan.names.method(node) == "pin_memory":
+        where = " in a branch only CUDA takes" if scan.guards.cuda_only(node) else ""
+        scan.report_method(
+            "pin-memory-cuda",
+            node,
+            f"`{scan.text(node)}` pins host memory for copies to an NVIDIA GPU{where}",
+            "let the device adapter decide (`x.to(device, non_blocking=True)` on every device; pin only "
+            "where the adapter says it helps)",
+        )
+
+
 @FAMILY.check(ast.keyword)
 def pin_memory(scan: FileScan, node: ast.keyword) -> None:
     value = node.value
     if node.arg == "pin_memory":
-        cuda_tied = any(
+        cuda_tied = scan.guards.implies_cuda(value) or any(
             scan.names.qualname(n) in ("torch.cuda.is_available",) or is_cuda_string(n)
             for n in ast.walk(value)
             if isinstance(n, ast.Name | ast.Attribute | ast.Constant | ast.JoinedStr)
@@ -108,6 +153,49 @@ def pin_memory(scan: FileScan, node: ast.keyword) -> None:
     elif node.arg == "pin_memory_device" and is_cuda_string(value):
         scan.report("pin-memory-cuda", node, "`pin_memory_device` names CUDA")
         scan.claim(value)
+
+
+_OWN_BACKEND_DEVICES = frozenset({"xla", "tpu", "neuron", "xpu", "hpu", "mtia"})
+"""Device types whose process-group backend is not gloo: a table naming one of them was written
+with more than CUDA in mind."""
+
+
+@FAMILY.check(ast.Dict)
+def nccl_backend_table(scan: FileScan, node: ast.Dict) -> None:
+    """``{"cuda": "nccl", "cpu": "gloo"}``: every device but CUDA gets gloo (or nothing)."""
+    keys = [k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+    nccl = [
+        v
+        for k, v in zip(node.keys, node.values)
+        if isinstance(k, ast.Constant) and str(k.value).startswith("cuda") and _is_nccl(v)
+    ]
+    if nccl and not _OWN_BACKEND_DEVICES & {k.split(":")[0] for k in keys}:
+        scan.report(
+            "nccl-backend-map",
+            node,
+            f"`{scan.text(node)}` gives only CUDA a backend of its own: TPU and Trainium fall back "
+            "(to gloo, or to no entry)",
+        )
+    for value in nccl:  # reported with the table, or CUDA's entry in a table naming every device
+        scan.claim(value)
+
+
+@FAMILY.check(ast.IfExp)
+def nccl_backend_branch(scan: FileScan, node: ast.IfExp) -> None:
+    """``"nccl" if device_type == "cuda" else "gloo"``."""
+    if scan.claimed(node):
+        return
+    if _is_nccl(node.body) and scan.guards.implies_cuda(node.test):
+        scan.report(
+            "nccl-backend-map",
+            node,
+            f"`{scan.text(node)}`: every device but CUDA falls back to `{scan.text(node.orelse)}`",
+        )
+        scan.claim(node)
+
+
+def _is_nccl(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.lower() == "nccl"
 
 
 @FAMILY.check(ast.Constant)

@@ -1,6 +1,10 @@
 """Device placement: ``.cuda()``, hard-coded ``"cuda"`` device strings, ``"cuda" if ... else
 "cpu"`` branches, ``torch.cuda.set_device`` and ``DistributedDataParallel(device_ids=...)``.
 
+In a branch only CUDA takes (:mod:`portatrain.audit.guards`) these are CUDA's own settings, not
+findings: the test that opens the branch is where portability is decided (and reported, when it
+is ``torch.cuda.is_available()`` or a ``"cuda" if ... else "cpu"`` choice).
+
 Rules: ``cuda-call``, ``cuda-device-string``, ``cuda-device-branch``, ``cuda-set-device``,
 ``ddp-device-ids``.
 """
@@ -46,7 +50,7 @@ def is_cuda_string(node: ast.AST) -> bool:
 
 @FAMILY.check(ast.Call)
 def cuda_call(scan: FileScan, node: ast.Call) -> None:
-    if scan.names.method(node) == "cuda":
+    if scan.names.method(node) == "cuda" and not scan.guards.cuda_only(node):
         scan.report_method("cuda-call", node, f"`{scan.text(node)}` moves to an NVIDIA GPU")
 
 
@@ -55,8 +59,16 @@ def ddp_device_ids(scan: FileScan, node: ast.Call) -> None:
     qualname = scan.names.qualname(node.func)
     if qualname is not None and qualname.split(".")[-1] == "DistributedDataParallel":
         for keyword in node.keywords:
-            if keyword.arg in ("device_ids", "output_device") and not is_none(keyword.value):
-                scan.report("ddp-device-ids", keyword, f"`{keyword.arg}=` names CUDA device indices")
+            value = keyword.value
+            if keyword.arg not in ("device_ids", "output_device") or is_none(value):
+                continue
+            if scan.guards.cuda_only(keyword) or (
+                isinstance(value, ast.IfExp)
+                and is_none(value.orelse)
+                and scan.guards.implies_cuda(value.test)
+            ):
+                continue  # `device_ids=[rank] if device.type == "cuda" else None`: CUDA's own setting
+            scan.report("ddp-device-ids", keyword, f"`{keyword.arg}=` names CUDA device indices")
 
 
 @FAMILY.check(ast.Name, ast.Attribute)
@@ -70,6 +82,8 @@ def cuda_device_choice(scan: FileScan, node: ast.Name | ast.Attribute) -> None:
     if parts[:2] != ["torch", "cuda"] or len(parts) < 3:
         return
     if parts[2] == "set_device":
+        if scan.guards.cuda_only(node):
+            return  # device-specific code in the branch only CUDA takes
         scan.report("cuda-set-device", node, "`torch.cuda.set_device` exists only for CUDA")
     elif parts[2] == "is_available":
         scan.report(
@@ -89,11 +103,13 @@ def cuda_device_branch(scan: FileScan, node: ast.IfExp) -> None:
         for n in ast.walk(node.test)
     )
     if mentions_cuda or tests_cuda:
-        scan.report(
-            "cuda-device-branch",
-            node,
-            '`"cuda" if ... else "cpu"`: off NVIDIA this silently picks the CPU',
-        )
+        message = '`"cuda" if ... else "cpu"`: off NVIDIA this silently picks the CPU'
+        if not mentions_cuda:  # a dtype or a backend chosen by the CUDA test
+            message = (
+                f"`{scan.text(node, 50)}` chooses by `torch.cuda.is_available()`: off NVIDIA it "
+                f"silently takes `{scan.text(node.orelse, 30)}`"
+            )
+        scan.report("cuda-device-branch", node, message)
         scan.claim(node)
 
 
@@ -120,6 +136,7 @@ def cuda_device_concatenation(scan: FileScan, node: ast.BinOp) -> None:
         and isinstance(node.left, ast.Constant)
         and node.left.value == "cuda:"
         and not scan.claimed(node)
+        and not scan.guards.cuda_only(node)
     ):
         scan.report("cuda-device-string", node, f"`{scan.text(node)}` hard-codes the CUDA device")
 
@@ -127,6 +144,8 @@ def cuda_device_concatenation(scan: FileScan, node: ast.BinOp) -> None:
 def _device_string(scan: FileScan, node: ast.expr, parent: ast.AST | None) -> None:
     """A ``"cuda..."`` string: reported where it names a device (a device argument or variable),
     and anywhere but a comparison when it names an index (``"cuda:0"``, ``f"cuda:{rank}"``)."""
+    if scan.guards.cuda_only(node):
+        return  # `if device.type == "cuda": device = torch.device("cuda", rank)`: CUDA's own branch
     text = scan.text(node)
     explicit = not (isinstance(node, ast.Constant) and node.value == "cuda")
     context = False

@@ -47,7 +47,10 @@ def batch_max(scan: FileScan, node: ast.Call) -> None:
 def tokenizer_padding(scan: FileScan, node: ast.keyword) -> None:
     """``tokenizer(..., padding=True)`` / ``padding="longest"`` without ``pad_to_multiple_of=``."""
     value = node.value
-    if node.arg != "padding" or not (isinstance(value, ast.Constant) and value.value in (True, "longest")):
+    # `value.value in (True, "longest")` would take `padding=1` (a convolution's) for True.
+    if node.arg != "padding" or not (
+        isinstance(value, ast.Constant) and (value.value is True or value.value == "longest")
+    ):
         return
     call = scan.tree.parent(node)
     bucketed = isinstance(call, ast.Call) and any(k.arg == "pad_to_multiple_of" for k in call.keywords)

@@ -1,10 +1,13 @@
 """Host syncs in the training step: reading a tensor's value on the host (``.item()``, ``print``,
-``float(t)``, an f-string), shapes that depend on values, and ``if``/``while`` on a tensor.
+``float(t)``, an f-string), shapes that depend on values, and ``if``/``while`` on a tensor; and
+each evaluation batch's outputs copied to the host.
 
-Each check fires only in code that runs on every training step
-(:meth:`~portatrain.audit.context.FileScan.in_step`); see :mod:`portatrain.audit.step`.
+The step checks fire only in code that runs on every training step
+(:meth:`~portatrain.audit.context.FileScan.in_step`), which includes a logging gate whose interval
+defaults to 1; see :mod:`portatrain.audit.step`. In an evaluation loop a scalar read (``.item()``
+for a running sum or a progress line) is left alone; a copy of a batch's outputs is not.
 
-Rules: ``host-sync``, ``data-dependent-shape``, ``tensor-control-flow``.
+Rules: ``host-sync``, ``data-dependent-shape``, ``tensor-control-flow``, ``eval-host-copy``.
 """
 
 from __future__ import annotations
@@ -21,10 +24,56 @@ _HOST_SYNC_METHODS = frozenset({"item", "tolist", "numpy", "cpu"})
 _DYNAMIC_SHAPE_METHODS = frozenset({"nonzero", "unique", "unique_consecutive", "masked_select", "argwhere"})
 
 
+_EVAL_COPY_METHODS = frozenset({"cpu", "numpy", "tolist"})
+_EVERY_STEP_FIX = (
+    "give the logging interval a default above 1 (e.g. 10): values are then read on logging steps only"
+)
+
+
+@FAMILY.check(ast.Call)
+def evaluation_copy(scan: FileScan, node: ast.Call) -> None:
+    method = scan.names.method(node)
+    to_cpu = (
+        method == "to"
+        and bool(node.args)
+        and isinstance(node.args[0], ast.Constant)
+        and node.args[0].value == "cpu"
+    )
+    if not (method in _EVAL_COPY_METHODS or to_cpu) or _shown(scan, node):
+        return
+    if scan.step.in_evaluation_loop(node):
+        scan.report_method(
+            "eval-host-copy",
+            node,
+            f"`{scan.text(node)}` copies every evaluation batch's outputs to the host",
+        )
+
+
+def _shown(scan: FileScan, node: ast.AST) -> bool:
+    """Whether ``node`` is (inside) an argument of ``print``/a logging call: a progress line."""
+    current = scan.tree.parent(node)
+    while current is not None and not isinstance(current, ast.stmt):
+        if isinstance(current, ast.Call) and terminal_name(current.func) in ("print", "info", "log", "write"):
+            return True
+        current = scan.tree.parent(current)
+    return False
+
+
 @FAMILY.check(ast.Call)
 def step_call(scan: FileScan, node: ast.Call) -> None:
     if not scan.in_step(node):
         return
+    gate = scan.step.every_step_gate(node)
+    if gate is not None:
+        method = scan.names.method(node)
+        if method in _HOST_SYNC_METHODS:
+            scan.report_method(
+                "host-sync",
+                node,
+                f"`.{method}()` on a logging step, but `{gate}` defaults to 1: it runs on every step",
+                _EVERY_STEP_FIX,
+            )
+            return
     qualname = scan.names.qualname(node.func)
     method = scan.names.method(node)
     builtin = scan.names.builtin(node)
