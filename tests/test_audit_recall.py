@@ -1,7 +1,12 @@
 """The static audit on CUDA-first training code: the rules that reason about device-type branches,
 logging intervals' defaults, ``hasattr`` probes, evaluation loops and dict-valued outputs, each on
 its fixture; and recall and false positives on held-out training scripts written in four styles
-(``tests/fixtures/audit/heldout/``), against the CUDA-isms a careful reader marks in them."""
+(``tests/fixtures/audit/heldout/``), against the CUDA-isms a careful reader marks in them.
+
+The first four scripts were marked and audited while the rules were written: auditing them found
+two misses and six false positives that four general fixes then closed (``nn.SyncBatchNorm``,
+``attn_implementation`` as a dict entry, CUDA's own settings inside a CUDA-only branch,
+``padding=1`` read as ``padding=True``). The fifth was written after the rules were final."""
 
 from __future__ import annotations
 
@@ -126,7 +131,8 @@ def train(model, optimizer, loader):
 # -- held-out scripts -------------------------------------------------------------------------------
 # What a careful reader marks in each script, by rule and by the text of the marked line (the first
 # line containing it). `cuda` marks are CUDA-isms (they break, slow down or silently change off
-# NVIDIA); `other` marks are true findings of other kinds (unsafe checkpoints). Deliberately not
+# NVIDIA); `other` marks are true findings of other kinds (unsafe checkpoints); `missed` marks are
+# CUDA-isms no rule finds yet (they count against recall). Deliberately not
 # marked: a scalar `.item()` per evaluation batch (the project's rule reads only the training step
 # and per-batch output copies), `fused=True`/`non_blocking=True` switched on for every device, and
 # CUDA-only code inside a branch only CUDA takes.
@@ -203,13 +209,35 @@ HELDOUT_MARKS: dict[str, dict[str, list[tuple[str, str]]]] = {
         ],
         "other": [("pickle-dump", "pickle.dump(asdict(cfg), f)")],
     },
+    # Written and marked after the rules above were final, and audited once: a truly held-out
+    # script. The two `.to(local_rank)` marks (a device index taken from the local rank, wrong where
+    # each worker sees one device, as on TPU) are misses no rule covers yet (`device-index` names
+    # the kind of mark; the audit has no rule of that id).
+    "fsdp_llama_pretrain.py": {  # FSDP (v1) pretraining of a Llama-style decoder under torchrun
+        "cuda": [
+            ("nccl-backend", 'dist.init_process_group("nccl")'),
+            ("cuda-set-device", "torch.cuda.set_device(local_rank)"),
+            ("cuda-api", "device_id=torch.cuda.current_device()"),
+            ("cuda-api", "m.to_empty(device=torch.cuda.current_device()"),
+            ("pin-memory-cuda", "pin_memory=True"),
+            ("device-index", "inputs = inputs.to(local_rank, non_blocking=True)"),
+            ("device-index", "targets = targets.to(local_rank, non_blocking=True)"),
+            ("cuda-api", "mem = torch.cuda.max_memory_allocated()"),
+            ("cuda-api", "torch.cuda.reset_peak_memory_stats()"),
+        ],
+        "other": [],
+        "missed": [
+            ("device-index", "inputs = inputs.to(local_rank, non_blocking=True)"),
+            ("device-index", "targets = targets.to(local_rank, non_blocking=True)"),
+        ],
+    },
 }
 
 
 def _marks(script: str, kind: str) -> set[tuple[str, int]]:
     lines = (HELDOUT / script).read_text().splitlines()
     marks = set()
-    for rule, text in HELDOUT_MARKS[script][kind]:
+    for rule, text in HELDOUT_MARKS[script].get(kind, []):
         numbers = [i for i, line in enumerate(lines, 1) if text in line]
         assert numbers, f"{script}: no line contains {text!r}"
         marks.add((rule, numbers[0]))
@@ -238,13 +266,13 @@ def measure() -> dict[str, float]:
 
 @pytest.mark.parametrize("script", sorted(HELDOUT_MARKS))
 def test_heldout_findings_are_the_marks(script: str) -> None:
-    expected = _marks(script, "cuda") | _marks(script, "other")
+    expected = (_marks(script, "cuda") - _marks(script, "missed")) | _marks(script, "other")
     assert _found(HELDOUT / script) == expected
 
 
 def test_heldout_recall_and_precision_meet_the_targets() -> None:
     figures = measure()
     assert sorted(p.name for p in HELDOUT.glob("*.py")) == sorted(HELDOUT_MARKS)
-    assert figures["marked"] >= 50 and figures["lines"] >= 800  # a set worth measuring on
+    assert figures["marked"] >= 60 and figures["lines"] >= 1000  # a set worth measuring on
     assert figures["recall"] >= 0.95, figures
     assert figures["fp_per_kloc"] <= 1.0, figures
