@@ -2,7 +2,8 @@
 
 To add a rule: add it to the rule table (:mod:`portatrain.audit.rules`) under a category, write
 its check in that category's module here with ``@FAMILY.check(<node type>, ...)``, and add a
-fixture line to ``tests/test_audit.py``. A new category gets a new module, listed in
+fixture line to ``tests/test_audit.py`` (or, for rules about CUDA-first training scripts,
+``tests/test_audit_recall.py``; the two tables together must cover every rule). A new category gets a new module, listed in
 :data:`FAMILIES`.
 """
 
