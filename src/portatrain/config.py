@@ -252,6 +252,10 @@ class ParallelConfig:
     """FSDP shard dimension; -1 infers it from the world size."""
     tp: int = 1
     """Tensor-parallel degree (with sequence parallel: row lengths must be multiples of it)."""
+    ep: int = 1
+    """Expert-parallel degree: a mixture of experts' experts are split over ``ep`` of the ``dp_shard``
+    ranks (which must be a multiple of it), tokens reach them by all-to-all, and FSDP2 shards each
+    rank's experts over the other ``dp_shard / ep`` (``portatrain.parallel.expert``)."""
     activation_checkpointing: str = "none"
     """``none``, ``full`` or ``selective``."""
     param_dtype: str | None = None

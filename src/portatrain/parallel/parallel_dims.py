@@ -3,11 +3,15 @@
 What this file does:
 
 * :class:`ParallelDims` -- the degrees ``dp_replicate x dp_shard x tp`` resolved against a world size
-  (``dp_shard=-1`` takes whatever the other degrees leave), checked before anything is built: every
-  problem is reported at once, with the numbers and the fix, as a :class:`~portatrain.errors.ConfigError`.
+  (``dp_shard=-1`` takes whatever the other degrees leave), and the expert-parallel degree ``ep``
+  taken from the ``dp_shard`` ranks, checked before anything is built: every problem is reported at
+  once, with the numbers and the fix, as a :class:`~portatrain.errors.ConfigError`.
 * :meth:`ParallelDims.build_mesh` -- one 3-D mesh ``("dp_replicate", "dp_shard", "tp")`` on the
   accelerator's device type, plus the flattened ``"dp"`` dimension (``dp_replicate * dp_shard``
-  ranks that see different data) used by the data loader and the loss/metric all-reduces.
+  ranks that see different data) used by the data loader and the loss/metric all-reduces; with
+  ``ep > 1`` also the expert mesh ``("dp_replicate", "efsdp", "ep", "tp")``, the same ranks with
+  ``dp_shard`` split into ``dp_shard / ep`` x ``ep`` (torchtitan's ``dp_shard_mod_ep`` x
+  ``dp_shard_in_ep``, ``torchtitan/distributed/parallel_dims.py``).
 * :func:`expected_world_size` -- how many processes a config will run with, for validation before
   launch (under torchrun: ``WORLD_SIZE``; otherwise the job shape in ``parallel.launch``; for a dry run
   with an explicit ``dp_shard``: the product of the degrees, so a 64-device plan needs no 64 processes).
@@ -36,6 +40,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
+EXPERT_MESH_DIM_NAMES = ("dp_replicate", "efsdp", "ep", "tp")
 
 
 @dataclass
@@ -51,12 +56,16 @@ class ParallelDims:
     dp_shard: int
     tp: int
     world_size: int
+    ep: int = 1
+    """Expert-parallel degree, a divisor of ``dp_shard`` (experts split over ``ep`` of its ranks)."""
     mesh: DeviceMesh | None = field(default=None, repr=False)
     """The world mesh, set by :meth:`build_mesh`; None on a single process."""
+    expert_mesh: DeviceMesh | None = field(default=None, repr=False)
+    """The same ranks as ``("dp_replicate", "efsdp", "ep", "tp")``, set by :meth:`build_mesh` when ``ep > 1``."""
     _dp_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        problems = layout_problems(self.dp_replicate, self.dp_shard, self.tp, self.world_size)
+        problems = layout_problems(self.dp_replicate, self.dp_shard, self.tp, self.world_size, self.ep)
         if problems:
             raise ConfigError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
         if self.dp_shard == -1:
@@ -70,6 +79,7 @@ class ParallelDims:
             dp_shard=int(parallel_cfg.dp_shard),
             tp=int(parallel_cfg.tp),
             world_size=int(world_size),
+            ep=int(parallel_cfg.ep),
         )
 
     # -- degrees ---------------------------------------------------------------------------
@@ -97,10 +107,15 @@ class ParallelDims:
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
     def describe(self) -> str:
+        experts = f" (experts over ep={self.ep} of the dp_shard ranks)" if self.ep_enabled else ""
         return (
             f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
-            f"= {self.world_size} device{'s' if self.world_size != 1 else ''}"
+            f"= {self.world_size} device{'s' if self.world_size != 1 else ''}{experts}"
         )
 
     # -- mesh ------------------------------------------------------------------------------
@@ -124,6 +139,16 @@ class ParallelDims:
         # deprecates slicing a flattened dimension back out of the root mesh.
         self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
         self.mesh = mesh
+        if self.ep_enabled:
+            # A second mesh over the same ranks, dp_shard split row-major into (efsdp, ep): dp_shard
+            # rank d is (d // ep, d % ep), so an ep group is ep consecutive dp_shard ranks. Its own
+            # root, because FSDP2 requires an expert parameter's ep mesh and the mesh it shards
+            # that parameter over (efsdp) to share one.
+            self.expert_mesh = init_device_mesh(
+                device_type,
+                (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp),
+                mesh_dim_names=EXPERT_MESH_DIM_NAMES,
+            )
         return mesh
 
     def _require_mesh(self) -> DeviceMesh:
@@ -146,16 +171,34 @@ class ParallelDims:
     def tp_mesh(self) -> DeviceMesh:
         return self._require_mesh()["tp"]
 
+    def _require_expert_mesh(self) -> DeviceMesh:
+        if self.expert_mesh is None:
+            raise RuntimeError("no expert mesh: parallel.ep is 1, or build_mesh() has not run")
+        return self.expert_mesh
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        """The ``ep`` ranks that split one set of experts between them (tokens travel among them)."""
+        return self._require_expert_mesh()["ep"]
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 shards each rank's experts over: the ranks holding the same experts,
+        ``efsdp`` (``dp_shard / ep`` of them), or ``(dp_replicate, efsdp)`` for HSDP."""
+        mesh = self._require_expert_mesh()
+        return mesh["dp_replicate", "efsdp"] if self.dp_replicate_enabled else mesh["efsdp"]
+
     @property
     def dp_rank(self) -> int:
         """This rank's index among the ``dp`` data-parallel ranks (0 on a single process)."""
         return 0 if self._dp_mesh is None else self._dp_mesh.get_local_rank()
 
 
-def layout_problems(dp_replicate: int, dp_shard: int, tp: int, world_size: int) -> list[str]:
-    """Every reason ``dp_replicate x dp_shard x tp`` cannot run on ``world_size`` ranks, each with a fix."""
+def layout_problems(dp_replicate: int, dp_shard: int, tp: int, world_size: int, ep: int = 1) -> list[str]:
+    """Every reason ``dp_replicate x dp_shard x tp`` (experts over ``ep`` of the ``dp_shard`` ranks)
+    cannot run on ``world_size`` ranks, each with a fix."""
     problems = []
-    for name, value in (("dp_replicate", dp_replicate), ("tp", tp)):
+    for name, value in (("dp_replicate", dp_replicate), ("tp", tp), ("ep", ep)):
         if value < 1:
             problems.append(f"parallel.{name}={value} must be >= 1")
     if dp_shard == 0 or dp_shard < -1:
@@ -174,7 +217,8 @@ def layout_problems(dp_replicate: int, dp_shard: int, tp: int, world_size: int) 
                 f"{world_size}, so parallel.dp_shard=-1 cannot be inferred; launch a multiple of "
                 f"{others} processes (e.g. {fits}) or change parallel.dp_replicate/parallel.tp"
             )
-        return problems
+            return problems
+        return problems + _ep_problems(ep, world_size // others, inferred=True)
 
     product = dp_replicate * dp_shard * tp
     if product != world_size:
@@ -187,7 +231,20 @@ def layout_problems(dp_replicate: int, dp_shard: int, tp: int, world_size: int) 
             f"dp_replicate({dp_replicate}) * dp_shard({dp_shard}) * tp({tp}) = {product} != world size "
             f"{world_size}; {' or '.join(fixes)}"
         )
-    return problems
+    return problems + _ep_problems(ep, dp_shard, inferred=False)
+
+
+def _ep_problems(ep: int, dp_shard: int, *, inferred: bool) -> list[str]:
+    """Expert parallel takes its ranks from ``dp_shard``: ``ep`` must divide it."""
+    if dp_shard % ep == 0:
+        return []
+    divisors = [d for d in range(1, dp_shard + 1) if dp_shard % d == 0]
+    source = "inferred from the world size" if inferred else "parallel.dp_shard"
+    return [
+        f"parallel.ep={ep} must divide the data-parallel shard ranks dp_shard={dp_shard} ({source}): "
+        f"experts are split over ep of them; set parallel.ep in {divisors} or launch a multiple of {ep} "
+        "data-parallel ranks"
+    ]
 
 
 def model_problems(tp: int, n_heads: int, n_kv_heads: int, where: str) -> list[str]:
@@ -269,7 +326,7 @@ def parallel_problems(
             problems.append(f"parallel.launch.{name}={getattr(launch, name)} must be >= 1")
     if problems:
         return problems
-    problems += layout_problems(par.dp_replicate, par.dp_shard, par.tp, world_size)
+    problems += layout_problems(par.dp_replicate, par.dp_shard, par.tp, world_size, par.ep)
     if par.tp > 1:
         if model_args is not None:
             a = model_args

@@ -117,22 +117,24 @@ def clip_grad_norm_(
     is a plain tensor, identical on every rank, equal to the single-device norm of the same gradients.
     """
     params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    if not grads:
+    if not params:
         return torch.zeros(())
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for grad in grads:
-        key = grad.device_mesh if isinstance(grad, DTensor) else None
-        groups.setdefault(key, []).append(grad)
+    groups: dict[Any, list[torch.Tensor]] = {}  # parameters by their gradient's mesh
+    for param in params:
+        key = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
+        groups.setdefault(key, []).append(param)
     norms = []
     for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     device = norms[0].device
     norms = torch.stack([n.to(device) for n in norms])
     total = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum().pow(1.0 / norm_type)
     if math.isfinite(max_norm):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        # Per mesh as well: a foreach op cannot mix DTensors of different meshes (expert parallel's
+        # experts have their own); ``total`` is a plain tensor, the same factor for every group.
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
 

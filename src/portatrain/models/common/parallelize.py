@@ -12,6 +12,12 @@ The order matters and is torchtitan's (``torchtitan/models/llama3/infra/parallel
    parameters over the data-parallel mesh; its all-gathers and reduce-scatters stay outside the
    compiled graphs.
 
+Expert parallel (``parallel.ep``, mixture-of-experts families) comes first, beside tensor parallel:
+each MoE layer's experts become DTensors split over the ``ep`` mesh and the layer's ``exchange`` slot
+moves tokens to them (``portatrain.parallel.expert``). FSDP2 then shards the experts over the ranks
+that hold the same ones (``dp_shard / ep``, as torchtitan's ``dp_shard_mod_ep``) and everything else
+over all of ``dp_shard``.
+
 The model knows nothing of any of this. Attention reads its head count from the projected width
 (``view(..., -1, head_dim)``), so column-sharded q/k/v projections give each rank
 ``n_heads / tp`` query and ``n_kv_heads / tp`` key/value heads with no change to the model; rank r
@@ -19,7 +25,8 @@ holds query heads ``[r*n_heads/tp, (r+1)*n_heads/tp)`` and exactly the kv heads 
 
 What the plan cannot shard it refuses before any process starts (:func:`layout_problems`, a
 family's ``ModelSpec.parallel_problems``): q/k norms over the whole projection (OLMo 2) would need
-the sum of squares of every rank's heads.
+the sum of squares of every rank's heads; tensor parallel of a mixture of experts; expert parallel
+of a dense model, or over a number of ranks that does not divide the experts.
 
 Tied embeddings (Llama 3.2 1B/3B) are tensor-parallel too: one vocabulary-sharded matrix serves the
 embedding and the output projection (:func:`_tied_output_projection`).
@@ -33,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -45,7 +52,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from portatrain.models.common.layers import RMSNorm
+from portatrain.models.common.moe import MoE
 from portatrain.parallel.activation_checkpoint import apply_activation_checkpointing
+from portatrain.parallel.expert import apply_ep
 from portatrain.parallel.parallel_dims import ParallelDims
 
 
@@ -71,11 +80,14 @@ def parallelize_decoder(
             accelerators; fp32 on CPU). The sharded master parameters stay fp32.
         reduce_dtype: FSDP2 reduce-scatters gradients in this dtype (fp32 by default).
     """
-    if parallel_dims.tp_enabled:
+    if parallel_dims.tp_enabled or parallel_dims.ep_enabled:
         problems = layout_problems(parallel_dims, model.args)
         if problems:  # validation refuses these layouts first; this guards direct callers
             raise ValueError("; ".join(problems))
+    if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.tp_mesh)
+    if parallel_dims.ep_enabled:
+        apply_ep(moe_layers(model), parallel_dims.ep_mesh)
     apply_activation_checkpointing(model.layers, activation_checkpointing)
     if compile_block is not None:
         for name, block in list(model.layers.named_children()):
@@ -83,17 +95,39 @@ def parallelize_decoder(
         if parallel_dims.tp_enabled:
             _detach_view_from_compiled_blocks(model)
     if parallel_dims.fsdp_enabled:
-        apply_fsdp(model, parallel_dims.fsdp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        apply_fsdp(
+            model,
+            parallel_dims.fsdp_mesh,
+            expert_mesh=parallel_dims.expert_fsdp_mesh if parallel_dims.ep_enabled else None,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+        )
     return model
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
 
 
 def layout_problems(parallel: Any, args: Any) -> list[str]:
     """Layouts this plan cannot apply to a model of ``args``, each with the fix (``ModelSpec.parallel_problems``).
 
-    ``parallel`` is a ``ParallelConfig`` or ``ParallelDims`` (anything with ``tp``).
+    ``parallel`` is a ``ParallelConfig`` or ``ParallelDims`` (anything with ``tp`` and ``ep``).
     """
     problems = []
-    if parallel.tp > 1 and any(args.is_sparse(layer) for layer in range(args.n_layers)):
+    sparse = [layer for layer in range(args.n_layers) if args.is_sparse(layer)]
+    if parallel.ep > 1 and not sparse:
+        problems.append(
+            f"parallel.ep={parallel.ep}: this model has no mixture-of-experts layer, so there are no experts "
+            "to split; set parallel.ep=1"
+        )
+    elif parallel.ep > 1 and args.n_experts % parallel.ep:
+        divisors = [d for d in range(1, args.n_experts + 1) if args.n_experts % d == 0]
+        problems.append(
+            f"parallel.ep={parallel.ep} must divide model.n_experts={args.n_experts} (each rank holds "
+            f"n_experts/ep whole experts); set parallel.ep in {divisors}"
+        )
+    if parallel.tp > 1 and sparse:
         problems.append(
             f"parallel.tp={parallel.tp}: tensor parallel does not shard a mixture of experts' experts; "
             "set parallel.tp=1 and shard with FSDP2 instead (parallel.dp_shard)"
@@ -230,6 +264,7 @@ def apply_fsdp(
     model: nn.Module,
     fsdp_mesh: DeviceMesh,
     *,
+    expert_mesh: DeviceMesh | None = None,
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
 ) -> None:
@@ -244,9 +279,21 @@ def apply_fsdp(
     Gradient division is turned off: the trainer already divides every rank's loss by the number of
     target tokens in the whole global step, so the plain sum FSDP then reduces is the single-device
     gradient of the global batch. FSDP's default mean over ranks would divide it again by ``dp``.
+
+    With expert parallel, ``expert_mesh`` is the mesh each MoE layer's experts (already split over
+    ``ep``) are sharded over: they get a unit of their own, first, so the block's unit leaves them out.
+    The layer calls the experts' ``grouped``/``batched``, not their ``forward``: those are registered
+    as forward methods, so FSDP2 all-gathers before them and reduce-scatters after their backward.
+    Their gradient needs no reduction over ``ep``: the all-to-all's backward already brought every
+    rank's tokens' contributions to the rank that holds the expert.
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     config: dict[str, Any] = {"mesh": fsdp_mesh, "mp_policy": mp_policy}
+    if expert_mesh is not None:
+        for moe in moe_layers(model):
+            fully_shard(moe.experts, **{**config, "mesh": expert_mesh})
+            for method in ("grouped", "batched"):
+                register_fsdp_forward_method(moe.experts, method)
     tied = model.lm_head is None
     if not tied:
         fully_shard(model.embed_tokens, **config)

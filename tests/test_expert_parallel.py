@@ -1,0 +1,253 @@
+"""Expert parallelism (``parallel.ep``, ``portatrain.parallel.expert``).
+
+* Bad layouts are refused by validation, one line each with the fix, before any process starts:
+  ``ep`` not dividing the ``dp_shard`` ranks or the experts, ``ep > 1`` on a dense model.
+* The exchange on two gloo ranks against the single-device layer on each rank's tokens, in both
+  dispatch modes, capacity with tokens dropped: outputs, input and router gradients, and each rank's
+  experts' gradients (the sum over both ranks' tokens); the elements every all-to-all moved, forward
+  and backward, against the analytic amount.
+* Training under ``torchrun``: ``ep=2`` on 2 processes (both modes) and on 4 (``dp_shard=4``) equal
+  to one process on the same global batch; a checkpoint saved at ``ep=2`` holds each expert weight
+  as one ``[n_experts, ...]`` tensor and resumes in one process with the next losses unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from portatrain.errors import ConfigError
+from portatrain.models import get_spec
+from portatrain.models.common.moe import MoE
+from portatrain.parallel.parallel_dims import ParallelDims, layout_problems
+from tests.helpers import TINY, compose_config, fit, run_cli, torchrun, train_records
+
+MOE = [*TINY, "model=qwen3_moe_debug"]  # 8 experts, top-2; TINY: 4 steps of 4 rows of 64 tokens
+STEPS = 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+
+def test_ep_must_divide_the_dp_shard_ranks_given_or_inferred() -> None:
+    (given,) = layout_problems(dp_replicate=1, dp_shard=6, tp=1, world_size=6, ep=4)
+    assert "parallel.ep=4 must divide the data-parallel shard ranks dp_shard=6" in given
+    assert "set parallel.ep in [1, 2, 3, 6]" in given
+    (inferred,) = layout_problems(dp_replicate=2, dp_shard=-1, tp=1, world_size=6, ep=2)
+    assert "dp_shard=3 (inferred from the world size)" in inferred
+    assert layout_problems(dp_replicate=1, dp_shard=4, tp=1, world_size=4, ep=0) == [
+        "parallel.ep=0 must be >= 1"
+    ]
+    assert layout_problems(dp_replicate=2, dp_shard=-1, tp=1, world_size=8, ep=4) == []
+    with pytest.raises(ConfigError, match="parallel.ep=3 must divide"):
+        ParallelDims(dp_replicate=1, dp_shard=4, tp=1, world_size=4, ep=3)
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, tp=1, world_size=4, ep=2)
+    assert dims.ep_enabled and "ep=2" in dims.describe()
+
+
+def test_the_shared_plan_refuses_ep_over_a_dense_model_or_uneven_experts() -> None:
+    moe_cfg = compose_config(["model=qwen3_moe_debug", "parallel.ep=3"])
+    spec = get_spec("qwen3_moe")
+    args = spec.flavors["debug"]
+    (uneven,) = spec.parallel_problems(moe_cfg.parallel, args)
+    assert "parallel.ep=3 must divide model.n_experts=8" in uneven and "[1, 2, 4, 8]" in uneven
+    dense_cfg = compose_config(["model=qwen3_debug", "parallel.ep=2"])
+    dense = get_spec("qwen3")
+    (problem,) = dense.parallel_problems(dense_cfg.parallel, dense.flavors["debug"])
+    assert (
+        "parallel.ep=2: this model has no mixture-of-experts layer" in problem and "parallel.ep=1" in problem
+    )
+    assert (
+        spec.parallel_problems(compose_config(["model=qwen3_moe_debug", "parallel.ep=4"]).parallel, args)
+        == []
+    )
+
+
+def test_bad_ep_is_one_error_each_in_a_dry_run(tmp_path: Path) -> None:
+    base = ["device=cpu", "dry_run=true"]
+    out = run_cli([*base, "model=qwen3_moe_debug", "parallel.dp_shard=6", "parallel.ep=3"], cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "parallel.ep=3 must divide model.n_experts=8" in out.stderr  # dp_shard=6 is fine
+    out = run_cli([*base, "model=qwen3_moe_debug", "parallel.dp_shard=2", "parallel.ep=4"], cwd=tmp_path)
+    assert (
+        out.returncode == 2
+        and "parallel.ep=4 must divide the data-parallel shard ranks dp_shard=2" in out.stderr
+    )
+    out = run_cli([*base, "model=qwen3_debug", "parallel.dp_shard=2", "parallel.ep=2"], cwd=tmp_path)
+    assert out.returncode == 2 and "this model has no mixture-of-experts layer" in out.stderr
+    ok = run_cli([*base, "model=qwen3_moe_debug", "parallel.dp_shard=4", "parallel.ep=2"], cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# The exchange on two ranks, against the single-device layer
+# ---------------------------------------------------------------------------------------------
+
+DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 16, 8, 4, 2, 24
+
+
+class _AllToAllElements(TorchDispatchMode):
+    """Counts the elements each all-to-all sends from this rank (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func is torch.ops._c10d_functional.all_to_all_single.default:
+            self.elements += args[0].numel()
+        return func(*args, **(kwargs or {}))
+
+
+def _exchange_worker(rank: int, store: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from portatrain.parallel.expert import apply_ep
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+        local = EXPERTS // 2
+        dropped = torch.zeros(())
+        for dispatch in ("capacity", "dropless"):
+            torch.manual_seed(0)
+            ref = MoE(DIM, HIDDEN, EXPERTS, TOP_K, norm_topk_prob=True, aux_loss_coef=0.01)
+            ref.init_weights(0.5, 0.5)
+            ref.dispatch, ref.capacity_factor = dispatch, 0.75  # capacity: 9 slots for ~12 per expert
+            layer = copy.deepcopy(ref)
+            apply_ep([layer], mesh)
+            torch.manual_seed(1 + rank)  # each rank its own tokens
+            x = torch.randn(2, TOKENS // 2, DIM)
+            grad = torch.randn_like(x)
+            x_ref, x_ep = x.clone().requires_grad_(), x.clone().requires_grad_()
+            want = ref(x_ref)
+            want.backward(grad)
+            with _AllToAllElements() as sent:
+                got = layer(x_ep)
+                got.backward(grad)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(x_ep.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(layer.gate.weight.grad, ref.gate.weight.grad, rtol=1e-4, atol=1e-5)
+            for name in ("gate_up_proj", "down_proj"):
+                full = getattr(ref.experts, name).grad.clone()
+                dist.all_reduce(full)  # every rank's tokens reach this rank's experts
+                mine = getattr(layer.experts, name).grad.to_local()
+                torch.testing.assert_close(
+                    mine, full[rank * local : (rank + 1) * local], rtol=1e-4, atol=1e-5
+                )
+            if dispatch == "capacity":
+                slots = ref.capacity(TOKENS)
+                # rows and routing weights out, rows back; the same again in backward
+                assert sent.elements == 4 * EXPERTS * slots * DIM + 2 * EXPERTS * slots, sent.elements
+                dropped += ref.dropped
+            else:
+                load = ref.expert_load.clone()  # assignments per expert from this rank's tokens
+                mine = TOKENS * TOP_K
+                dist.all_reduce(load)
+                received = int(load[rank * local : (rank + 1) * local].sum())
+                # the counts; rows and weights out, rows back; the gradients of all three back
+                expected = EXPERTS + 2 * (mine + received) * DIM + (mine + received)
+                assert sent.elements == expected, (sent.elements, expected)
+        dist.all_reduce(dropped)
+        assert dropped > 0  # capacity mode really dropped assignments, on both sides of the exchange
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_exchange_on_two_ranks_equals_the_single_device_layer(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_exchange_worker, args=(str(tmp_path / "store"),), nprocs=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training under torchrun against one process
+# ---------------------------------------------------------------------------------------------
+
+# capacity_factor = n_experts / top_k: every expert has a slot for every token, so the one-process
+# run (whose capacity counts the whole batch) and the ranks (each their share) drop nothing alike.
+MODES = {
+    "capacity": ["model.moe_dispatch=capacity", "model.capacity_factor=4"],
+    "dropless": ["model.moe_dispatch=dropless"],
+}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """Each mode's records on one process, global batch 4."""
+    records = {}
+    for mode, overrides in MODES.items():
+        run_dir = tmp_path_factory.mktemp(f"one_{mode}")
+        fit([*MOE, *overrides, "checkpoint.enabled=false"], run_dir)
+        records[mode] = train_records(run_dir)
+    return records
+
+
+def _assert_same_steps(got: list[dict], want: list[dict]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want, strict=True):
+        assert g["loss"] == pytest.approx(w["loss"], abs=1e-5), (g, w)
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), (g, w)
+
+
+def _torchrun(nproc: int, mode: str, run_dir: Path, *extra: str) -> None:
+    per_rank = f"data.batch_size={4 // nproc}"  # the one-process run's global batch of 4
+    args = [
+        *MOE,
+        *MODES[mode],
+        f"parallel.dp_shard={nproc}",
+        "parallel.ep=2",
+        per_rank,
+        *extra,
+        f"run_dir={run_dir}",
+    ]
+    out = torchrun(nproc, args, cwd=run_dir.parent)
+    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+
+
+@pytest.mark.slow
+def test_ep2_capacity_matches_one_process_and_its_checkpoint_resumes_at_ep1(
+    one_process, tmp_path: Path
+) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    _torchrun(2, "capacity", tmp_path / "ep2", "checkpoint.every=2")
+    want = one_process["capacity"]
+    _assert_same_steps(train_records(tmp_path / "ep2"), want)
+
+    saved = tmp_path / "ep2" / "checkpoints" / "step_0000002"
+    metadata = FileSystemReader(saved).read_metadata().state_dict_metadata
+    for layer in (0, 1):  # the sparse blocks: weights and Adam moments whole, not one rank's experts
+        for key in (
+            f"model.layers.{layer}.mlp.experts.gate_up_proj",
+            f"optim.layers.{layer}.mlp.experts.gate_up_proj.exp_avg",
+        ):
+            assert tuple(metadata[key].size) == (8, 64, 128), (key, metadata[key].size)
+
+    fit([*MOE, *MODES["capacity"], f"checkpoint.resume={saved}"], tmp_path / "ep1")
+    resumed = train_records(tmp_path / "ep1")
+    _assert_same_steps(resumed, want[2:])
+
+
+@pytest.mark.slow
+def test_ep2_dropless_matches_one_process(one_process, tmp_path: Path) -> None:
+    _torchrun(2, "dropless", tmp_path / "ep2", "checkpoint.enabled=false")
+    _assert_same_steps(train_records(tmp_path / "ep2"), one_process["dropless"])
+
+
+@pytest.mark.slow
+def test_ep2_over_four_dp_shard_ranks_matches_one_process(one_process, tmp_path: Path) -> None:
+    # dp_shard=4 as (efsdp=2) x (ep=2): each rank's experts also FSDP-sharded over two ranks.
+    _torchrun(4, "capacity", tmp_path / "ep2x2", "checkpoint.enabled=false")
+    _assert_same_steps(train_records(tmp_path / "ep2x2"), one_process["capacity"])
