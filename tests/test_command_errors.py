@@ -20,6 +20,8 @@ import torch
 
 from portatrain.cli import main
 from portatrain.commands import COMMANDS, load_command, uses_hydra
+from portatrain.errors import UserError
+from portatrain.trainer import Trainer
 from tests.helpers import TINY, fit
 
 FS_ERRORS = {errno.EROFS: "Read-only file system", errno.ENOSPC: "No space left on device"}
@@ -306,3 +308,32 @@ def test_parity_on_a_missing_device_leaves_no_run_directory(tmp_path: Path, caps
     line = one_line_error(err, "parity")
     assert status == 2 and "device=cuda was requested but cannot be used" in line
     nothing_left(tmp_path)
+
+
+class _FailsAtStep(Trainer):
+    """Raises a user error (as a damaged shard or a device out of memory would) at step ``FAIL_AT``."""
+
+    FAIL_AT = 1
+
+    def train_step(self, batches):
+        if self.step + 1 == self.FAIL_AT:
+            raise UserError(f"planted failure at step {self.FAIL_AT}")
+        return super().train_step(batches)
+
+
+def test_a_new_run_that_fails_on_a_user_error_before_saving_leaves_nothing(tmp_path: Path, capsys) -> None:
+    """Its config and metrics would make the rerun of the same command refuse the directory as
+    another run's; once a checkpoint exists, the run directory is kept."""
+    run_dir = tmp_path / "run"
+    argv = [*TINY, f"run_dir={run_dir}", "checkpoint.every=2", "trainer.steps=4"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(trainer_cls=_FailsAtStep, argv=argv)
+    assert exit_info.value.code == 2 and "planted failure at step 1" in capsys.readouterr().err
+    assert not run_dir.exists()
+    _FailsAtStep.FAIL_AT = 3  # after the step-2 checkpoint
+    try:
+        with pytest.raises(SystemExit):
+            main(trainer_cls=_FailsAtStep, argv=argv)
+    finally:
+        _FailsAtStep.FAIL_AT = 1
+    assert (run_dir / "checkpoints" / "step_0000002").is_dir() and (run_dir / "config.yaml").is_file()

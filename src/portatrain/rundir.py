@@ -215,6 +215,28 @@ def remove_unused_lock(run_dir: str | Path) -> bool:
         os.close(fd)
 
 
+def discard_unsaved_run(run_dir: str | Path) -> bool:
+    """Empty ``run_dir`` of what a run that failed on a user error wrote before it saved any
+    checkpoint (its config, metrics, compile cache, lock), so the same command can run again once
+    the mistake is fixed; True when emptied. Call only for a directory that was empty when the run
+    started; one that holds a complete checkpoint is left alone."""
+    import shutil
+
+    folder = Path(run_dir)
+    checkpoints = folder / "checkpoints"
+    if checkpoints.is_dir() and any(p.name.startswith("step_") for p in checkpoints.iterdir()):
+        return False
+    try:
+        for entry in folder.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+    except OSError:
+        return False
+    return True
+
+
 def _read_holder(fd: int) -> str:
     try:
         text = os.pread(fd, 256, 0).decode(errors="replace").strip()
@@ -234,5 +256,6 @@ __all__ = [
     "SharedStorageError",
     "check_shared_run_dir",
     "lock_run_dir",
+    "discard_unsaved_run",
     "remove_unused_lock",
 ]

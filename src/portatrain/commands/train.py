@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from portatrain.commands import CommandContext
 from portatrain.config import Config
+from portatrain.errors import UserError
 
 
 def run(cfg: Config, ctx: CommandContext) -> None:
+    from portatrain.rundir import discard_unsaved_run
     from portatrain.trainer import Trainer
 
-    trainer = (ctx.trainer_cls or Trainer)(cfg)
+    run_dir = Path(cfg.run_dir)
+    fresh = not run_dir.is_dir() or not any(run_dir.iterdir())
     try:
-        trainer.fit()
-    finally:
-        trainer.close()
+        trainer = (ctx.trainer_cls or Trainer)(cfg)
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
+    except UserError:
+        # A mistake the user fixes and reruns (a damaged shard, a device out of memory...): a new run
+        # that saved nothing leaves nothing behind, or the rerun would be refused as another run's.
+        if fresh and os.environ.get("RANK", "0") == "0":
+            discard_unsaved_run(run_dir)
+        raise
