@@ -356,6 +356,14 @@ class MetricsConfig:
     """Append every log record to ``<run_dir>/metrics.jsonl``."""
     tensorboard: bool = False
     """Also write TensorBoard scalars to ``<run_dir>/tensorboard`` (needs the ``tensorboard`` package)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (rank 0; needs the ``wandb`` package): offline, into
+    ``<run_dir>/wandb`` for ``wandb sync`` later, unless ``WANDB_MODE=online``. The run's id is kept
+    in ``<run_dir>/trackers.json``, so a resumed run continues the same W&B run."""
+    mlflow: str | None = None
+    """Also log to MLflow at this tracking URI (rank 0; needs the ``mlflow`` package):
+    ``http://HOST:PORT`` for a tracking server, ``file:///ABS/DIR`` or ``sqlite:///ABS/mlflow.db``
+    for a local store. A resumed run continues the same MLflow run."""
     peak_tflops: float | None = None
     """Dense peak TFLOP/s of one device for MFU, overriding the accelerator adapter's datasheet table
     (or, on CPU, its measured matmul peak). Set it for hardware the table does not know."""

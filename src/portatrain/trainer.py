@@ -277,6 +277,10 @@ class Trainer:
             enabled=self.dist.is_main,
             jsonl=cfg.metrics.jsonl,
             tensorboard=cfg.metrics.tensorboard,
+            wandb=cfg.metrics.wandb,
+            mlflow=cfg.metrics.mlflow,
+            config=cfg,  # redacted before any tracker sees it
+            resumed=self.resume_from is not None,  # continue the trackers' runs too
         )
         self.peak_flops, self.peak_flops_source = resolve_peak_flops(
             self.accelerator, self.dtype, cfg.metrics.peak_tflops

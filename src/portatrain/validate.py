@@ -20,6 +20,7 @@ from portatrain.errors import ConfigError
 from portatrain.export import export_problems
 from portatrain.kernels import config_problems as kernel_problems
 from portatrain.losses import loss_problems
+from portatrain.metrics import metrics_problems
 from portatrain.models import get_spec, model_args, model_problems
 from portatrain.optim import optim_problems
 from portatrain.parallel.activation_checkpoint import AC_MODES
@@ -56,6 +57,7 @@ def config_problems(cfg: Config) -> list[str]:
             f"compile.enabled=true with parallel.ep={cfg.parallel.ep}: a compiled block cannot hold the "
             "experts' own FSDP2 unit and token exchange in one graph; set compile.enabled=false or parallel.ep=1"
         )
+    problems += metrics_problems(cfg.metrics)
     problems += profile_problems(cfg.profile)
     problems += bench_problems(cfg.bench)
     problems += runtime_audit_problems(cfg.audit, cfg.compile)
