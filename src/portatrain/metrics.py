@@ -312,7 +312,7 @@ class WandbSink:
             config=config,
         )
         self.run_id = self._run.id
-        self.where = self._run.dir
+        self.where = str(Path(self._run.dir).parent)  # offline-run-*/ (run.dir is its files/)
 
     def log(self, record: dict[str, Any]) -> None:
         values = scalars(record)
