@@ -52,11 +52,6 @@ def config_problems(cfg: Config) -> list[str]:
             f"kernels.enabled={list(cfg.kernels.enabled)} with parallel.tp={cfg.parallel.tp}: kernel "
             "overrides take plain tensors, not tensor-parallel DTensors; set parallel.tp=1 or kernels.enabled=[]"
         )
-    if cfg.compile.enabled and cfg.parallel.ep > 1:
-        problems.append(
-            f"compile.enabled=true with parallel.ep={cfg.parallel.ep}: a compiled block cannot hold the "
-            "experts' own FSDP2 unit and token exchange in one graph; set compile.enabled=false or parallel.ep=1"
-        )
     problems += metrics_problems(cfg.metrics)
     problems += profile_problems(cfg.profile)
     problems += bench_problems(cfg.bench)

@@ -91,7 +91,10 @@ def parallelize_decoder(
     apply_activation_checkpointing(model.layers, activation_checkpointing)
     if compile_block is not None:
         for name, block in list(model.layers.named_children()):
-            model.layers[name] = compile_block(block)
+            if parallel_dims.ep_enabled and moe_layers(block):
+                _compile_around_experts(block, compile_block)
+            else:
+                model.layers[name] = compile_block(block)
         if parallel_dims.tp_enabled:
             _detach_view_from_compiled_blocks(model)
     if parallel_dims.fsdp_enabled:
@@ -107,6 +110,25 @@ def parallelize_decoder(
 
 def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def _compile_around_experts(block: nn.Module, compile_block: Callable[[nn.Module], nn.Module]) -> None:
+    """Compile a block with an expert-parallel MoE layer part by part, leaving the layer itself eager.
+
+    The experts are an FSDP2 unit of their own (on the expert mesh) and the layer exchanges tokens
+    with the other ranks (dropless: sized on the host), neither of which a one-graph block can hold.
+    So the attention, the norms, the router and any shared experts are compiled each on its own, as
+    torchtitan compiles its MoE blocks (``torchtitan/models/llama4/infra/parallelize.py``,
+    ``apply_compile``); the routing and dispatch between them run eagerly.
+    """
+    inner = getattr(block, "_checkpoint_wrapped_module", block)  # under activation checkpointing
+    for child in inner.children():
+        if isinstance(child, MoE):
+            for part in (child.gate, child.shared_experts):
+                if part is not None:
+                    compile_block(part)
+        else:
+            compile_block(child)
 
 
 def layout_problems(parallel: Any, args: Any) -> list[str]:
