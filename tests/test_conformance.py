@@ -567,6 +567,8 @@ def test_a_refused_layout_is_one_error_in_a_dry_run(family: str, tmp_path: Path)
             break
     else:
         pytest.skip(f"{family} refuses none of {LAYOUTS}")
+    # A fresh process: in this one, after the Pallas check above imported JAX under pytest's output
+    # capture, the CLI's error path ended in "I/O operation on closed file".
     out = run_cli([*base, *layout], cwd=tmp_path)
     assert out.returncode == 2, f"{layout}: exit {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
     # One error, no traceback, listing the family's problems and nothing else.
