@@ -159,6 +159,7 @@ def _exchange_worker(rank: int, store: str) -> None:
                 assert sent.elements == expected, (sent.elements, expected)
         dist.all_reduce(dropped)
         assert dropped > 0  # capacity mode really dropped assignments, on both sides of the exchange
+        dist.barrier()  # neither rank tears its connections down while the other still uses them
     finally:
         dist.destroy_process_group()
 
