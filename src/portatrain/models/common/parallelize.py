@@ -313,7 +313,11 @@ def apply_fsdp(
     config: dict[str, Any] = {"mesh": fsdp_mesh, "mp_policy": mp_policy}
     if expert_mesh is not None:
         for moe in moe_layers(model):
-            fully_shard(moe.experts, **{**config, "mesh": expert_mesh})
+            # Fewer experts per rank than ranks sharding them: dim-0 shards would be mostly padding,
+            # so shard the experts' next dim instead (as torchtitan's llama4 apply_fsdp does).
+            local_experts = moe.experts.gate_up_proj.to_local().shape[0]
+            placement = (lambda param: Shard(1)) if local_experts < expert_mesh.size(-1) else None
+            fully_shard(moe.experts, **{**config, "mesh": expert_mesh}, shard_placement_fn=placement)
             for method in ("grouped", "batched"):
                 register_fsdp_forward_method(moe.experts, method)
     tied = model.lm_head is None
