@@ -1,7 +1,8 @@
 """Expert parallelism (``parallel.ep``, ``portatrain.parallel.expert``).
 
 * Bad layouts are refused by validation, one line each with the fix, before any process starts:
-  ``ep`` not dividing the ``dp_shard`` ranks or the experts, ``ep > 1`` on a dense model.
+  ``ep`` not dividing the ``dp_shard`` ranks or the experts, ``ep > 1`` on a dense model, and capacity
+  dispatch (which exchanges equal-size buffers) where ranks may run different row lengths.
 * The exchange on two gloo ranks against the single-device layer on each rank's tokens, in both
   dispatch modes, capacity with tokens dropped: outputs, input and router gradients, and each rank's
   experts' gradients (the sum over both ranks' tokens); the elements every all-to-all moved, forward
@@ -83,6 +84,10 @@ def test_bad_ep_is_one_error_each_in_a_dry_run(tmp_path: Path) -> None:
     )
     out = run_cli([*base, "model=qwen3_debug", "parallel.dp_shard=2", "parallel.ep=2"], cwd=tmp_path)
     assert out.returncode == 2 and "this model has no mixture-of-experts layer" in out.stderr
+    buckets = ["model=qwen3_moe_debug", "parallel.dp_shard=2", "parallel.ep=2", "data.collator=bucket"]
+    out = run_cli([*base, *buckets, "model.moe_dispatch=capacity"], cwd=tmp_path)
+    assert out.returncode == 2 and "ranks may run different row lengths in one step" in out.stderr
+    assert run_cli([*base, *buckets, "model.moe_dispatch=dropless"], cwd=tmp_path).returncode == 0
     ok = run_cli([*base, "model=qwen3_moe_debug", "parallel.dp_shard=4", "parallel.ep=2"], cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr[-3000:]
 

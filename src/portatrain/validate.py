@@ -74,6 +74,18 @@ def config_problems(cfg: Config) -> list[str]:
             f"the longest row ({max(lengths)} positions, from {row_key}) exceeds the model's RoPE table "
             f"({args.max_seq_len}); set model.max_seq_len>={max(lengths)} or shorten the data"
         )
+    static_dispatch = cfg.model.moe_dispatch == "capacity" or (
+        cfg.model.moe_dispatch == "auto" and cfg.device.type not in ("cpu", "cuda")
+    )
+    if cfg.parallel.ep > 1 and static_dispatch and len(set(lengths)) > 1:
+        # Capacity dispatch sizes each rank's slot buffer from its tokens; expert parallel exchanges
+        # those buffers in equal splits, so every rank must run the same row length in a step.
+        problems.append(
+            f"parallel.ep={cfg.parallel.ep} with {row_key}={lengths}: ranks may run different row lengths in "
+            f"one step, and capacity dispatch (model.moe_dispatch={cfg.model.moe_dispatch}) exchanges "
+            "equal-size expert buffers between them; use one row length (data.collator=packing or "
+            "pad_to_max) or model.moe_dispatch=dropless"
+        )
     problems += parallel_problems(
         cfg.parallel,
         world_size=expected_world_size(cfg.parallel, dry_run=bool(cfg.dry_run)),
