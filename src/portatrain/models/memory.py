@@ -25,7 +25,7 @@ batch, a packed attention mask (``B * S * S`` bytes) or the optimizer step's tem
 10-20% headroom on accelerators. Checked against measured peaks on CPU (torch's CPU allocator,
 ``scripts/bench_memory.py``, README "Memory: the dry run against measured peaks"): within -1%..+10%
 over three sizes, two sequence lengths, the three checkpointing modes, the chunked loss and FSDP2
-on two processes; ``tests/test_memory_measured.py`` keeps one such comparison.
+on two processes; ``tests/test_conformance.py`` keeps two such comparisons for every family.
 
 Activations saved for backward, per token and layer, in elements of the activation dtype
 (``h`` = dim, ``q`` = ``n_heads * head_dim`` (= ``h`` for Llama), ``f`` = SwiGLU width, ``a`` = query
