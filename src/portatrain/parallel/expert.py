@@ -3,20 +3,21 @@
 What this file does:
 
 * :func:`apply_ep` -- for each mixture-of-experts layer it is given
-  (``portatrain.models.common.moe.MoE``: this package sits below the models and reads only the
-  layer's ``experts`` and ``exchange``), store the stacked
-  expert weights as DTensors sharded over the experts (``Shard(0)`` on the ``ep`` mesh: rank ``r``
-  of ``ep`` holds experts ``[r*E/ep, (r+1)*E/ep)``) and put an :class:`ExpertParallel` in the
-  layer's ``exchange`` slot. The router, shared experts and everything else stay whole on every
-  rank. FSDP2 then shards each rank's experts over the ranks that hold the same ones
-  (``ParallelDims.expert_fsdp_mesh``); a DCP checkpoint sees each expert weight as one
-  ``[n_experts, ...]`` tensor, so it resumes at any ``ep`` and world size.
+  (``portatrain.models.common.moe.MoE``; this package sits below the models and reads only the
+  layer's ``experts`` and ``exchange``), store the stacked expert weights as DTensors sharded over
+  the experts (``Shard(0)`` on the ``ep`` mesh: rank ``r`` of ``ep`` holds experts
+  ``[r*E/ep, (r+1)*E/ep)``), have the experts compute with that local shard (their ``weight_view``
+  slot) and put an :class:`ExpertParallel` in the layer's ``exchange`` slot. The router, shared
+  experts and everything else stay whole on every rank. FSDP2 then shards each rank's experts over
+  the ranks that hold the same ones (``ParallelDims.expert_fsdp_mesh``); a DCP checkpoint sees each
+  expert weight as one ``[n_experts, ...]`` tensor, so it resumes at any ``ep`` and world size.
 * :class:`ExpertParallel` -- the exchange, in both dispatch modes:
 
   - ``capacity``: the layer's fixed ``[n_experts, slots, dim]`` buffer goes out in ``ep`` equal
     chunks (chunk ``r`` holds rank ``r``'s experts) and comes back the same way. Every size is known
     from the batch shape, so no count leaves the device: the static shapes XLA-style compilers need.
-    Every ep rank must then run the same number of tokens per step (same batch shape).
+    Every ep rank must then run the same number of tokens per step (validation refuses row lengths
+    that may differ between ranks).
   - ``dropless``: each rank's row counts per expert are exchanged first (one small all-to-all and one
     host sync per layer, to size the second), then the rows themselves with uneven splits.
 
@@ -29,10 +30,11 @@ wrapping the experts module's forward, so one class serves both dispatch modes. 
 collective of their own: the all-to-all's backward returns each token's gradient to its rank, and the
 experts' weight gradients are whole on the rank that holds them (every ep rank's tokens reached them).
 
-Cost per MoE layer and forward, sent by each rank: ``capacity``: ``n_experts * slots * (dim+1)``
-elements out (rows and routing weights) and ``n_experts * slots * dim`` back, ``(ep-1)/ep`` of it to
-other ranks; backward sends ``n_experts * slots * (2*dim+1)`` more (the gradients of both exchanges). ``dropless``: the same with ``top_k * tokens`` rows in place of
-``n_experts * slots`` (on average), plus ``n_experts`` counts.
+Traffic per MoE layer and step, elements each rank hands to all-to-all (``scripts/bench_ep_bytes.py``
+measures it): ``capacity``: ``n_experts * slots * (dim + 1)`` out (rows and routing weights),
+``n_experts * slots * dim`` back, and as much again in backward (the gradients), ``(ep-1)/ep`` of it
+to other ranks. ``dropless``: the same with ``top_k * tokens`` assignments in place of
+``n_experts * slots`` (exactly, summed over the ranks), plus ``n_experts`` counts.
 """
 
 from __future__ import annotations
