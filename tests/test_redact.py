@@ -132,22 +132,16 @@ def test_cfg_prints_the_config_redacted(
     assert not list(tmp_path.iterdir())  # printing the config makes no run directory
 
 
-def test_a_sweep_records_its_config_redacted(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import logging
+def test_a_sweep_records_its_config_redacted(tmp_path: Path) -> None:
+    # A fresh process: in-process, Hydra's multirun logging meets handlers other tests' libraries
+    # (jax's absl logging) left on streams pytest has since closed.
+    from tests.helpers import run_cli
 
-    from portatrain.cli import main
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["portatrain"])
-    root = logging.getLogger()
-    handlers = list(root.handlers)
-    try:  # two dry runs: a sweep that writes multirun.yaml and nothing heavy
-        main(argv=["-m", "dry_run=true", "trainer.steps=1,2", f"+parallel.launch.env.GITHUB_PAT={GITHUB}"])
-    finally:
-        root.handlers[:] = handlers  # Hydra pointed the root logger at this test's captured stdout
+    out = run_cli(
+        ["-m", "dry_run=true", "trainer.steps=1,2", f"+parallel.launch.env.GITHUB_PAT={GITHUB}"], cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
     (record,) = tmp_path.glob("multirun/*/*/multirun.yaml")
     text = record.read_text()
     assert GITHUB not in text and "GITHUB_PAT: '***'" in text
-    assert capsys.readouterr().out.count("activations") >= 2  # both jobs ran (planned the debug model)
+    assert out.stdout.count("activations") >= 2  # both jobs ran (planned the debug model)
