@@ -207,13 +207,13 @@ def _assert_same_steps(got: list[dict], want: list[dict]) -> None:
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), (g, w)
 
 
-def _torchrun(nproc: int, mode: str, run_dir: Path, *extra: str) -> None:
+def _torchrun(nproc: int, mode: str, run_dir: Path, *extra: str, ep: int = 2) -> None:
     per_rank = f"data.batch_size={4 // nproc}"  # the one-process run's global batch of 4
     args = [
         *MOE,
         *MODES[mode],
         f"parallel.dp_shard={nproc}",
-        "parallel.ep=2",
+        f"parallel.ep={ep}",
         per_rank,
         *extra,
         f"run_dir={run_dir}",
@@ -257,7 +257,9 @@ def test_ep2_dropless_compiled_and_checkpointed_matches_one_process(one_process,
 
 
 @pytest.mark.slow
-def test_ep2_over_four_dp_shard_ranks_matches_one_process(one_process, tmp_path: Path) -> None:
-    # dp_shard=4 as (efsdp=2) x (ep=2): each rank's experts also FSDP-sharded over two ranks.
-    _torchrun(4, "capacity", tmp_path / "ep2x2", "checkpoint.enabled=false")
-    _assert_same_steps(train_records(tmp_path / "ep2x2"), one_process["capacity"])
+@pytest.mark.parametrize("ep", [2, 4])
+def test_ep_over_four_dp_shard_ranks_matches_one_process(one_process, ep: int, tmp_path: Path) -> None:
+    # ep=2: dp_shard=4 as (efsdp=2) x (ep=2), each rank's experts also FSDP-sharded over two ranks;
+    # ep=4: two of the eight experts on each rank, exchanged among all four.
+    _torchrun(4, "capacity", tmp_path / f"ep{ep}", "checkpoint.enabled=false", ep=ep)
+    _assert_same_steps(train_records(tmp_path / f"ep{ep}"), one_process["capacity"])
