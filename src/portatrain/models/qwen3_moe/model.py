@@ -71,25 +71,17 @@ class Qwen3MoeArgs(Qwen3Args):
 
 _30B = Qwen3MoeArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, ffn_dim=6144)
 
+_DEBUG_SHAPE = dict(
+    dim=128, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256, vocab_size=258, max_seq_len=512
+)
+
 # Published dimensions: config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B on the Hugging
 # Face Hub (head_dim 128, 4 kv heads, 128 experts, top-8, untied).
 QWEN3_MOE_FLAVORS: dict[str, Qwen3MoeArgs] = {
-    # ~2M parameters for CPU tests: 8 experts, top-2, expert width a quarter of dim as 30B-A3B's
+    # ~0.5M parameters for CPU tests: 8 experts, top-2, expert width a quarter of dim as 30B-A3B's
     # 768 of 2048 is 3/8; the last block dense, so both block kinds run.
     "debug": dataclasses.replace(
-        _30B,
-        dim=128,
-        n_layers=3,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=32,
-        ffn_dim=256,
-        moe_ffn_dim=32,
-        n_experts=8,
-        top_k=2,
-        vocab_size=258,
-        max_seq_len=512,
-        mlp_only_layers=(2,),
+        _30B, **_DEBUG_SHAPE, moe_ffn_dim=32, n_experts=8, top_k=2, mlp_only_layers=(2,)
     ),
     "30b_a3b": _30B,
     "235b_a22b": dataclasses.replace(
