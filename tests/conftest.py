@@ -4,25 +4,43 @@ tests that import them from ``tests.conftest``)."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 from omegaconf import DictConfig
 
-from tests.helpers import ROOT, TINY, compose_config, run_cli
+from tests.helpers import ROOT, TINY, compose_config, fit, run_cli
 
 __all__ = ["ROOT", "TINY", "compose_config", "run_cli", "tiny_cfg"]
 
 # One compile cache for the whole session (inherited by every subprocess and torchrun worker): a
 # graph compiled by one test is reused by the next, as inductor's shared /tmp cache did before
 # compile.cache gave each run its own. Tests of the cache location clear it with monkeypatch.
-os.environ.setdefault("PORTATRAIN_COMPILE_CACHE_DIR", tempfile.mkdtemp(prefix="portatrain-test-compile-cache-"))
+os.environ.setdefault(
+    "PORTATRAIN_COMPILE_CACHE_DIR", tempfile.mkdtemp(prefix="portatrain-test-compile-cache-")
+)
 
 
 @pytest.fixture
 def tiny_cfg(tmp_path: Path) -> DictConfig:
     return compose_config(TINY, run_dir=tmp_path / "run")
+
+
+# Damaged checkpoints (tests/test_checkpoint_verify.py, tests/test_reliability.py) start from these.
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run that saved steps 1, 2 and 3; tests damage copies of it."""
+    run_dir = tmp_path_factory.mktemp("three") / "run"
+    fit(["trainer.steps=3", "checkpoint.every=1", "checkpoint.keep=0"], run_dir)
+    return run_dir
+
+
+@pytest.fixture
+def run_copy(three_steps: Path, tmp_path: Path) -> Path:
+    shutil.copytree(three_steps, tmp_path / "run")
+    return tmp_path / "run"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

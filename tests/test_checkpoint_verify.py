@@ -33,20 +33,6 @@ from tests.helpers import ROOT, TINY, fit, make_trainer
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
-@pytest.fixture(scope="module")
-def three_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run that saved steps 1, 2 and 3; tests damage copies of it."""
-    run_dir = tmp_path_factory.mktemp("three") / "run"
-    fit(["trainer.steps=3", "checkpoint.every=1", "checkpoint.keep=0"], run_dir)
-    return run_dir
-
-
-@pytest.fixture
-def run_copy(three_steps: Path, tmp_path: Path) -> Path:
-    shutil.copytree(three_steps, tmp_path / "run")
-    return tmp_path / "run"
-
-
 def _step(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step:07d}"
 

@@ -360,20 +360,6 @@ def test_lock_file_is_the_only_trace_of_the_lock(tmp_path: Path) -> None:
 
 
 # -- 8. damaged checkpoints -------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def three_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run that saved steps 1, 2 and 3; tests damage copies of it."""
-    run_dir = tmp_path_factory.mktemp("three") / "run"
-    fit(["trainer.steps=3", "checkpoint.every=1", "checkpoint.keep=0"], run_dir)
-    return run_dir
-
-
-@pytest.fixture
-def run_copy(three_steps: Path, tmp_path: Path) -> Path:
-    shutil.copytree(three_steps, tmp_path / "run")
-    return tmp_path / "run"
-
-
 def _step3(run_dir: Path) -> Path:
     return run_dir / "checkpoints" / "step_0000003"
 
