@@ -66,6 +66,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+RELEASE_AFTER_S = 8.0
+"""How long a requeued job waits before ``wait_for`` releases it (SLURM itself waits ~2 minutes)."""
+
+
 class SlurmCluster:
     """One slurmctld and ``nodes`` slurmd daemons on this host (see the module docstring)."""
 
@@ -221,12 +225,19 @@ class SlurmCluster:
         """
         deadline = time.monotonic() + timeout
         fields: dict[str, str] = {}
+        waiting_since = None
         while time.monotonic() < deadline:
             fields = self.job(job_id)
             if fields.get("JobState") in states:
                 return fields
             if release and fields.get("JobState") == "PENDING" and fields.get("Reason") == "BeginTime":
-                self.run("scontrol", "update", f"JobId={job_id}", *release, check=False)
+                # Not at once: slurmd keeps the killed run's credential revoked for a moment, and a
+                # restart inside that moment fails ("Job credential revoked", seen on a loaded machine).
+                waiting_since = waiting_since or time.monotonic()
+                if time.monotonic() - waiting_since >= RELEASE_AFTER_S:
+                    self.run("scontrol", "update", f"JobId={job_id}", *release, check=False)
+            else:
+                waiting_since = None
             time.sleep(0.5)
         raise TimeoutError(
             f"job {job_id} not in {sorted(states)} after {timeout:.0f} s: {fields}\n{self.logs()}"
