@@ -28,7 +28,7 @@ from portatrain.checkpoint import (
 )
 from portatrain.checkpoint.verify import checksums, nonfinite_keys
 from portatrain.trainer import NonFiniteError, Trainer
-from tests.helpers import ROOT, TINY, fit, make_trainer
+from tests.helpers import ROOT, TINY, fit, make_trainer, torchrun
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
@@ -286,16 +286,7 @@ def test_fresh_run_dir_on_a_read_only_filesystem_is_one_line(tmp_path: Path) -> 
 
 # -- two FSDP2 ranks agree ----------------------------------------------------------------------------
 def _torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    env = {k: v for k, v in ENV.items() if k != "WORLD_SIZE"}
-    return subprocess.run(
-        [*cmd, "-m", "portatrain", *TINY, "parallel.dp_shard=2", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return torchrun(2, [*TINY, "parallel.dp_shard=2", *args], cwd=cwd)
 
 
 @pytest.mark.slow
