@@ -8,10 +8,12 @@ rotates each round, so load from other processes hits all alike):
 - ``dense``: a SwiGLU ``top_k * expert_width`` wide -- the same matmul FLOPs per token, no routing;
 - ``ours-dropless``: ``portatrain.models.common.moe.MoE`` with dropless dispatch (grouped matmul);
 - ``ours-capacity``: the same layer with capacity dispatch (``capacity_factor`` 1.25, static shapes);
-- ``hf``: transformers' ``Qwen3MoeSparseMoeBlock`` with the same weights (skipped without transformers).
+- ``hf-eager``, ``hf-grouped_mm``: transformers' ``Qwen3MoeSparseMoeBlock`` with the same weights, its
+  default per-expert loop and its ``experts_implementation="grouped_mm"`` (``torch._grouped_mm``, as
+  ours); skipped without transformers.
 
 Printed: the median time of each, ``dense / ours`` (the limit is 1.0: routing can only add work)
-and ``hf / ours``. A second shape (32 experts, top-4) shows the trend with fewer experts.
+and ``hf-* / ours``. A second shape (32 experts, top-4) shows the trend with fewer experts.
 
     OMP_NUM_THREADS=1 python scripts/bench_moe.py
     OMP_NUM_THREADS=1 python scripts/bench_moe.py --dim 256 --tokens 1024 --rounds 5
@@ -29,8 +31,10 @@ import torch
 from portatrain.models.common.layers import FeedForward
 from portatrain.models.common.moe import MoE
 
+HF_IMPLEMENTATIONS = ("eager", "grouped_mm")
 
-def _hf_block(moe: MoE, dim: int, width: int, experts: int, top_k: int) -> torch.nn.Module | None:
+
+def _hf_block(moe: MoE, dim: int, width: int, experts: int, top_k: int, impl: str) -> torch.nn.Module | None:
     try:
         import transformers
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
@@ -42,6 +46,7 @@ def _hf_block(moe: MoE, dim: int, width: int, experts: int, top_k: int) -> torch
         num_experts=experts,
         num_experts_per_tok=top_k,
         norm_topk_prob=True,
+        experts_implementation=impl,
     )
     block = Qwen3MoeSparseMoeBlock(config)
     block.load_state_dict({k: v for k, v in moe.state_dict().items()}, strict=False)
@@ -67,11 +72,12 @@ def measure(dim: int, width: int, experts: int, top_k: int, tokens: int, rounds:
     dense.init_weights(0.02, 0.02)
     x = torch.randn(tokens, dim)
     runners = {"dense": _step(dense, x), "ours-dropless": _step(moe, x), "ours-capacity": _step(capacity, x)}
-    hf = _hf_block(moe, dim, width, experts, top_k)
-    if hf is not None:
-        with torch.no_grad():  # same weights, same routing: same output
-            assert torch.allclose(hf(x[None])[0], moe(x), atol=1e-5)
-        runners["hf"] = _step(hf, x[None])
+    for impl in HF_IMPLEMENTATIONS:
+        hf = _hf_block(moe, dim, width, experts, top_k, impl)
+        if hf is not None:
+            with torch.no_grad():  # same weights, same routing: same output
+                assert torch.allclose(hf(x[None])[0], moe(x), atol=1e-5)
+            runners[f"hf-{impl}"] = _step(hf, x[None])
     times: dict[str, list[float]] = {name: [] for name in runners}
     names = list(runners)
     for run in runners.values():  # warm-up
@@ -101,8 +107,8 @@ def main() -> None:
             print(f"  {name:<14} {seconds * 1e3:8.1f} ms")
         for ours in ("ours-dropless", "ours-capacity"):
             line = f"  dense / {ours}: {t['dense'] / t[ours]:.2f}"
-            if "hf" in t:
-                line += f"   hf / {ours}: {t['hf'] / t[ours]:.2f}"
+            for hf in (name for name in t if name.startswith("hf-")):
+                line += f"   {hf} / {ours}: {t[hf] / t[ours]:.2f}"
             print(line)
 
 
