@@ -28,6 +28,9 @@ class DeviceConfig:
     """Requested device index; default is ``LOCAL_RANK`` under torchrun, else 0. Adapters whose
     runtime binds each process to its own device override it (TPU: every worker drives ``tpu:0``;
     Neuron: ``neuron:0`` when the process sees one core)."""
+    memory_gib: float | None = None
+    """Memory of one device in GiB (e.g. 95 for a TPU v5p chip, 24 for a Trainium2 logical
+    NeuronCore), for the dry run's verdict on whether the estimate fits; None: no verdict."""
 
 
 @dataclass
