@@ -216,6 +216,43 @@ def test_flavour_shapes_are_the_published_ones() -> None:
     assert dataclasses.replace(big, topk_group=9).problems()  # checked, not assumed
 
 
+# config.json of deepseek-ai/DeepSeek-V3 as published (transformers 4.33 layout; auto_map and the
+# fp8 quantization_config left out), and the keys of moonshotai/Moonlight-16B-A3B's that differ.
+DEEPSEEK_V3_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096, "type": "yarn",
+    },
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}  # fmt: skip
+MOONLIGHT_CONFIG = {
+    **DEEPSEEK_V3_CONFIG, "first_k_dense_replace": 1, "hidden_size": 2048, "intermediate_size": 11264,
+    "max_position_embeddings": 8192, "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 64,
+    "n_shared_experts": 2, "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27,
+    "num_key_value_heads": 16, "q_lora_rank": None, "rms_norm_eps": 1e-05, "rope_scaling": None,
+    "rope_theta": 50000.0, "routed_scaling_factor": 2.446, "topk_group": 1, "vocab_size": 163840,
+}  # fmt: skip
+
+
+def test_the_published_configs_read_into_the_flavours() -> None:
+    from portatrain.models.deepseek_v3 import hf
+
+    assert hf.args_from_hf_config(DEEPSEEK_V3_CONFIG) == DEEPSEEK_V3_FLAVORS["671b"]
+    assert hf.args_from_hf_config(MOONLIGHT_CONFIG) == DEEPSEEK_V3_FLAVORS["16b_a3b"]
+    with pytest.raises(ValueError, match="scoring_func='softmax'"):
+        hf.args_from_hf_config({**DEEPSEEK_V3_CONFIG, "scoring_func": "softmax"})
+
+
 # ---------------------------------------------------------------------------------------------
 # Expert parallel on two processes
 # ---------------------------------------------------------------------------------------------

@@ -77,6 +77,12 @@ def args_from_hf_config(config: Mapping[str, Any]) -> DeepseekV3Args:
     own = []
     if config.get("scoring_func", "sigmoid") != "sigmoid":
         own.append(f"scoring_func={config['scoring_func']!r}: only 'sigmoid' (DeepSeek-V3's) is implemented")
+    if config.get("topk_method", "noaux_tc") != "noaux_tc":
+        own.append(f"topk_method={config['topk_method']!r}: only 'noaux_tc' (DeepSeek-V3's) is implemented")
+    if config.get("moe_layer_freq", 1) != 1:
+        own.append(
+            f"moe_layer_freq={config['moe_layer_freq']}: only 1 (every block after the dense ones) is implemented"
+        )
     rope, rope_theta, rope_type = common.checked_rope(
         config,
         family="DeepseekV3",
