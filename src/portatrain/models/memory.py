@@ -2,8 +2,8 @@
 
 Generic over the model family: :func:`estimate_memory` reads only the architecture attributes every
 family built from ``portatrain.models.common`` carries (``dim``, ``n_layers``, ``n_heads``,
-``n_kv_heads``, ``head_dim``, ``ffn_dim``, ``vocab_size``, ``qk_norm``, ``block_params``,
-``num_params()``; see :class:`TransformerShape`). A family whose blocks save other tensors wraps it in
+``n_kv_heads``, ``head_dim``, ``ffn_dim``, ``vocab_size``, ``qk_norm``, ``attention_params``,
+``mlp_params()``, ``num_params()``; see :class:`TransformerShape`). A family whose blocks save other tensors wraps it in
 its own estimate and registers that in its ``ModelSpec.estimate_memory``.
 
 :func:`estimate_memory` counts, in bytes per device:
@@ -125,7 +125,9 @@ class TransformerShape(Protocol):
     def ffn_dim(self) -> int: ...
 
     @property
-    def block_params(self) -> int: ...
+    def attention_params(self) -> int: ...
+
+    def mlp_params(self, layer: int) -> int: ...
 
     def num_params(self) -> int: ...
 

@@ -155,11 +155,6 @@ class DecoderArgs:
         """Parameters of block ``layer``'s feed-forward (``active``: those one token uses)."""
         return 3 * self.dim * self.ffn_dim
 
-    @property
-    def block_params(self) -> int:
-        """Parameters of the largest :class:`TransformerBlock` (an FSDP unit)."""
-        return self.attention_params + max(self.mlp_params(i) for i in range(self.n_layers))
-
     def num_params(self, exclude_embedding: bool = False, *, active: bool = False) -> int:
         """Parameter count computed from the shapes alone (nothing is built).
 
