@@ -174,6 +174,7 @@ def test_bad_group_latent_and_rotary_settings_are_one_error_each(tmp_path: Path)
         "model.qk_rope_head_dim=15": "model.qk_rope_head_dim=15 must be even",
         "model.n_kv_heads=2": "model.n_kv_heads=2 must equal model.n_heads=4",
         "model.kv_lora_rank=0": "model.kv_lora_rank=0 must be positive",
+        "device.memory_gib=0": "device.memory_gib=0.0 must be positive",
     }
     for override, message in cases.items():
         problems = config_problems(compose_config([*base, override]))
