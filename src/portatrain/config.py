@@ -28,6 +28,9 @@ class DeviceConfig:
     """Requested device index; default is ``LOCAL_RANK`` under torchrun, else 0. Adapters whose
     runtime binds each process to its own device override it (TPU: every worker drives ``tpu:0``;
     Neuron: ``neuron:0`` when the process sees one core)."""
+    memory_gib: float | None = None
+    """Memory of one device in GiB (e.g. 95 for a TPU v5p chip, 24 for a Trainium2 logical
+    NeuronCore), for the dry run's verdict on whether the estimate fits; None: no verdict."""
 
 
 @dataclass
@@ -66,6 +69,16 @@ class ModelConfig:
     """Mixture-of-experts families: experts each token is routed to."""
     moe_ffn_dim: int | None = None
     """Mixture-of-experts families: each expert's SwiGLU width."""
+    n_group: int | None = None
+    """DeepSeek-V3: expert groups for group-limited routing."""
+    topk_group: int | None = None
+    """DeepSeek-V3: groups a token's experts may come from (at most ``n_group``)."""
+    bias_update_rate: float | None = None
+    """DeepSeek-V3: per-step change of each expert's selection bias toward even load (0 freezes it)."""
+    kv_lora_rank: int | None = None
+    """DeepSeek-V3: width of the key/value latent of latent attention."""
+    qk_rope_head_dim: int | None = None
+    """DeepSeek-V3: rotary query/key channels per head (even)."""
     moe_dispatch: str = "auto"
     """Mixture-of-experts families: ``dropless`` (every token reaches its experts; shapes vary with
     the routing), ``capacity`` (a fixed number of slots per expert, overflow dropped and counted;

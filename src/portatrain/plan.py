@@ -65,6 +65,7 @@ def estimate_for_config(cfg: Config, *, world_size: int | None = None) -> dict[s
         loss_chunk_size=cfg.trainer.loss_chunk_size if cfg.trainer.loss == "chunked" else None,
         attn_mask=has_attention_mask(cfg.data),
         capacity_factor=cfg.model.capacity_factor if dispatch == "capacity" else None,
+        ep_degree=par.ep,
     )
 
 
@@ -102,4 +103,20 @@ def describe_plan(cfg: Config) -> str:
         "",
         format_memory_report(estimate, title="estimated memory per device"),
     ]
+    if cfg.device.memory_gib is not None:
+        lines.append(fit_verdict(estimate["total"], cfg.device.memory_gib))
     return "\n".join(lines)
+
+
+def fit_verdict(total_bytes: int, memory_gib: float) -> str:
+    """Whether an estimate fits a device of ``memory_gib`` GiB, one line with the margin."""
+    need = total_bytes / 1024**3
+    if need <= memory_gib:
+        return (
+            f"fits: {need:.1f} of {memory_gib:g} GiB per device ({1 - need / memory_gib:.0%} free; the estimate "
+            "leaves out fragmentation and workspaces, keep 10-20% free)"
+        )
+    return (
+        f"does not fit: {need:.1f} GiB estimated > {memory_gib:g} GiB per device; shard wider (parallel.dp_shard), "
+        "checkpoint activations or shorten the micro-batch"
+    )

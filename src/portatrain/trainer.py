@@ -96,7 +96,7 @@ from portatrain.metrics import (
     throughput_metrics,
 )
 from portatrain.models import build_model, get_spec, moe_dispatch
-from portatrain.models.common.moe import configure_moe, routing_stats
+from portatrain.models.common.moe import balanced_routers, configure_moe, routing_stats, update_expert_bias
 from portatrain.nonfinite import NONFINITE_MODES, NonFiniteError, NonFiniteGuard
 from portatrain.optim import build_lr_scheduler, build_optimizer
 from portatrain.parallel import (
@@ -226,6 +226,8 @@ class Trainer:
             if self.dp_world_size > 1
             else None,
         )
+        # Routers balanced by a bias moved after each optimizer step (DeepSeek-V3), if any.
+        self._balanced_routers = balanced_routers(model)
         # Kernel overrides (kernels.enabled), resolved once and swapped into the model's op slots
         # before parallelize, so compiled blocks trace each kernel as one custom op.
         self.kernels = resolve_kernels(cfg.kernels.enabled, self.accelerator.device_type)
@@ -369,6 +371,7 @@ class Trainer:
         # The gradient norm is global (all ranks agree on it); the loss is this rank's.
         grad_ok = torch.isfinite(grad_norm)  # the same on every rank: skipping stays in lockstep
         self.nonfinite.optimizer_step(self.optimizer, grad_ok)
+        update_expert_bias(self._balanced_routers, grad_ok)
         self.nonfinite.count(self.step + 1, grad_ok, torch.isfinite(loss_sum))  # before self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
@@ -440,6 +443,8 @@ class Trainer:
             )
             return []
         self.optimizer.zero_grad(set_to_none=True)
+        # Forget the synthetic batches' expert assignments (as a skipped step would: bias unchanged).
+        update_expert_bias(self._balanced_routers, torch.zeros((), dtype=torch.bool, device=self.device))
         self.accelerator.set_rng_state(rng)
         total = round(time.perf_counter() - start, 3)
         logger.info("compile warm-up: %d shape(s) in %.1f s", len(records), total)

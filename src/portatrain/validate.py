@@ -39,6 +39,10 @@ def validate(cfg: Config) -> None:
 def config_problems(cfg: Config) -> list[str]:
     """Every problem of ``cfg``, each with its fix (empty when it can run)."""
     problems = device_problems(cfg.device.type)
+    if cfg.device.memory_gib is not None and not cfg.device.memory_gib > 0:
+        problems.append(
+            f"device.memory_gib={cfg.device.memory_gib} must be positive (GiB per device), or null"
+        )
     problems += data_problems(cfg.data)
     problems += model_problems(cfg.model)
     problems += optim_problems(cfg.optim)

@@ -19,13 +19,14 @@ from torch import nn
 from portatrain.config import ModelConfig
 from portatrain.errors import ConfigError
 from portatrain.models.common.moe import DISPATCH_MODES
+from portatrain.models.deepseek_v3 import DEEPSEEK_V3
 from portatrain.models.llama import LLAMA3
 from portatrain.models.olmo2 import OLMO2
 from portatrain.models.qwen3 import QWEN3
 from portatrain.models.qwen3_moe import QWEN3_MOE
 from portatrain.models.spec import ModelSpec
 
-SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA3, QWEN3, OLMO2, QWEN3_MOE)}
+SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA3, QWEN3, OLMO2, QWEN3_MOE, DEEPSEEK_V3)}
 """Model family name (``model.name``) -> its spec. One entry per family."""
 
 ARCH_OVERRIDES: tuple[str, ...] = (
@@ -42,6 +43,11 @@ ARCH_OVERRIDES: tuple[str, ...] = (
     "n_experts",
     "top_k",
     "moe_ffn_dim",
+    "n_group",
+    "topk_group",
+    "bias_update_rate",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
 )
 """``ModelConfig`` fields that change the architecture on top of the flavour (None keeps it).
 ``vocab_size`` is handled apart: it combines with the tokenizer's (see :func:`model_args`)."""

@@ -29,16 +29,23 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """Attention of ``q [B, H, S, D]`` over ``k, v [B, H_kv, S, D]`` (``H`` a multiple of ``H_kv``).
+    """Attention of ``q [B, H, S, D]`` over ``k [B, H_kv, S, D]``, ``v [B, H_kv, S, D_v]`` (``H`` a
+    multiple of ``H_kv``; ``D_v`` may differ from ``D``, as in latent attention).
 
     ``attn_mask``: ``None`` for plain causal attention, else a boolean ``[B, 1, S, S]`` mask, ``True``
-    where a query may attend to a key, which must already include causality. Scaled by
-    ``1/sqrt(D)`` (SDPA's default). Returns ``[B, H, S, D]``.
+    where a query may attend to a key, which must already include causality. Scaled by ``scale``,
+    default ``1/sqrt(D)`` (SDPA's). Returns ``[B, H, S, D_v]``.
     """
     if attn_mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
     n_rep = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)

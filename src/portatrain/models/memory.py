@@ -2,8 +2,8 @@
 
 Generic over the model family: :func:`estimate_memory` reads only the architecture attributes every
 family built from ``portatrain.models.common`` carries (``dim``, ``n_layers``, ``n_heads``,
-``n_kv_heads``, ``head_dim``, ``ffn_dim``, ``vocab_size``, ``qk_norm``, ``block_params``,
-``num_params()``; see :class:`TransformerShape`). A family whose blocks save other tensors wraps it in
+``n_kv_heads``, ``head_dim``, ``ffn_dim``, ``vocab_size``, ``qk_norm``, ``attention_params``,
+``mlp_params()``, ``num_params()``; see :class:`TransformerShape`). A family whose blocks save other tensors wraps it in
 its own estimate and registers that in its ``ModelSpec.estimate_memory``.
 
 :func:`estimate_memory` counts, in bytes per device:
@@ -82,6 +82,18 @@ norm input/output and the hidden states' gradient (``3h``) per token, plus one c
 
 Tensor parallelism is assumed to come with sequence parallelism and a vocabulary-parallel loss
 (torchtitan's plan), so activations and logits are divided by ``tp_degree`` too.
+
+Multi-head latent attention (``portatrain.models.common.mla``, arguments with a ``kv_lora_rank``)
+saves other tensors than the table's attention rows (:func:`latent_attention_saved`): with ``H``
+heads, query/key heads ``d_qk`` wide and value heads ``d_v``, per token and layer the query latent
+and its normalized form (``2 r_q``, when queries have a latent), the key/value latent and its
+normalized form (``2 r_kv``), the full queries and keys SDPA reads (``2 H d_qk``), the latent's
+up-projection, of which the values are a view (``H (d_nope + d_v)``), and the attention output
+(``H d_v``); fp32: two more norm statistics and ``H`` log-sum-exps. No head is repeated.
+
+Expert parallel (``ep_degree``) leaves every sharded state divided over ``shard_degree`` ranks (experts
+over ``ep`` and the ranks that hold the same experts together), but a block's FSDP unit then holds
+only the rank's ``n_experts / ep`` experts when gathered.
 """
 
 from __future__ import annotations
@@ -113,7 +125,9 @@ class TransformerShape(Protocol):
     def ffn_dim(self) -> int: ...
 
     @property
-    def block_params(self) -> int: ...
+    def attention_params(self) -> int: ...
+
+    def mlp_params(self, layer: int) -> int: ...
 
     def num_params(self) -> int: ...
 
@@ -133,6 +147,7 @@ def estimate_memory(
     loss_chunk_size: int | None = None,
     attn_mask: bool = True,
     capacity_factor: float | None = None,
+    ep_degree: int = 1,
 ) -> dict[str, int]:
     """Estimated bytes per device for training ``args`` with one micro-batch in flight.
 
@@ -155,6 +170,7 @@ def estimate_memory(
             are saved repeated; False: SDPA's grouped-query path, k/v saved unrepeated.
         capacity_factor: a mixture of experts dispatched to fixed-capacity slots (``capacity``
             mode) with this factor; None: dropless (see :func:`mlp_saved`).
+        ep_degree: expert-parallel degree (``parallel.ep``; divides ``shard_degree``).
 
     Returns:
         ``params``, ``grads``, ``optimizer``, ``fsdp_buffers``, ``activations`` and ``total``, in bytes.
@@ -171,6 +187,7 @@ def estimate_memory(
         ("activation_dtype_bytes", act_bytes),
         ("shard_degree", shard_degree),
         ("tp_degree", tp_degree),
+        ("ep_degree", ep_degree),
     ):
         if value <= 0:
             problems.append(f"{name}={value} must be positive")
@@ -196,7 +213,10 @@ def estimate_memory(
 
     fsdp_buffers = 0
     if shard_degree > 1:
-        unit = max(args.block_params, args.vocab_size * args.dim)
+        unit = max(
+            max(_fsdp_unit(args, layer, ep_degree) for layer in range(args.n_layers)),
+            args.vocab_size * args.dim,
+        )
         fsdp_buffers = _ceil_div(unit * (2 * act_bytes + grad_dtype_bytes), tp_degree)
 
     h, a = args.dim, args.n_heads
@@ -205,6 +225,11 @@ def estimate_memory(
     saved_kv = 2 * q if attn_mask else 2 * kv  # k, v as SDPA saves them
     # The table without the MLP + fp32 log-sum-exps and norm statistics; then each block's MLP.
     attention = (4 * h + 2 * q + saved_kv) * act_bytes + (a + 2) * 4 + qk_norm_bytes(args, act_bytes)
+    attn_matmuls = q + h + 2 * kv  # q, o, k, v projections' outputs (selective checkpointing)
+    if hasattr(args, "kv_lora_rank"):  # latent attention
+        elements, fp32, attn_matmuls = latent_attention_saved(args)
+        attention = (4 * h + elements) * act_bytes + fp32 * 4
+        q = args.n_heads * args.v_head_dim  # the attention output kept by selective checkpointing
     mlps = [mlp_saved(args, layer, capacity_factor) for layer in range(args.n_layers)]
     per_layer = [attention + saved * act_bytes + fp32 * 4 for saved, fp32, _ in mlps]
     # Per token: what the blocks keep until backward, and what one block's recomputation holds
@@ -215,7 +240,7 @@ def estimate_memory(
     elif activation_checkpointing == "full":
         per_token_blocks = args.n_layers * h * act_bytes
     else:  # selective: half of the matmul outputs (q, o, k, v and the MLP's)
-        per_token_blocks = sum((h + q + (q + h + 2 * kv + mm) // 2) * act_bytes + a * 4 for _, _, mm in mlps)
+        per_token_blocks = sum((h + q + (attn_matmuls + mm) // 2) * act_bytes + a * 4 for _, _, mm in mlps)
     tokens = batch_size * seq_len
     v = args.vocab_size
     if loss_chunk_size is None:
@@ -263,7 +288,33 @@ def mlp_saved(
     h, i, k = args.dim, args.moe_ffn_dim, args.top_k
     slots = k if capacity_factor is None else capacity_factor * k
     elements = slots * (2 * h + 4 * i)
-    return int(elements), args.n_experts + 2 * k, int(slots * (2 * i + h))
+    # Shared experts: one dense SwiGLU ``n_shared * i`` wide, and its output summed in.
+    shared = getattr(args, "n_shared_experts", 0) * i
+    elements += 4 * shared + (h if shared else 0)
+    matmuls = slots * (2 * i + h) + (2 * shared + h if shared else 0)
+    return int(elements), args.n_experts + 2 * k, int(matmuls)
+
+
+def latent_attention_saved(args: TransformerShape) -> tuple[int, int, int]:
+    """``(elements, fp32 values, matmul outputs)`` latent attention saves per token (module
+    docstring), the block's residual-stream rows (``4h``) excluded."""
+    heads, d_qk, d_v = args.n_heads, args.head_dim, args.v_head_dim
+    q_latent = args.q_lora_rank or 0
+    up = heads * (args.qk_nope_head_dim + d_v)  # kv_b_proj's output; the values are a view of it
+    elements = 2 * q_latent + 2 * args.kv_lora_rank + 2 * heads * d_qk + up + heads * d_v
+    fp32 = heads + 2 + (2 if q_latent else 1)  # log-sum-exps, the block's and the latents' norms
+    matmuls = q_latent + heads * d_qk + args.kv_lora_rank + args.qk_rope_head_dim + up + args.dim
+    return elements, fp32, matmuls
+
+
+def _fsdp_unit(args: TransformerShape, layer: int, ep_degree: int) -> int:
+    """Parameters block ``layer``'s FSDP unit all-gathers: under expert parallel its routed experts
+    are the rank's ``1/ep`` share."""
+    block = args.attention_params + args.mlp_params(layer)
+    if ep_degree == 1 or not args.is_sparse(layer):
+        return block
+    experts = args.n_experts * 3 * args.dim * args.moe_ffn_dim
+    return block - experts + experts // ep_degree
 
 
 def qk_norm_bytes(args: TransformerShape, act_bytes: int) -> int:

@@ -1,7 +1,8 @@
 """The parts every decoder family shares, and :func:`decoder_spec`, which turns a family's own pieces
 into its :class:`~portatrain.models.spec.ModelSpec`.
 
-* ``rope.py`` -- RoPE tables (plain and Llama 3.1 scaling);
+* ``rope.py`` -- RoPE tables (plain, Llama 3.1 scaling, YaRN);
+* ``mla.py`` -- multi-head latent attention (DeepSeek-V2/V3);
 * ``layers.py`` -- RMSNorm, SwiGLU feed-forward, grouped-query attention with a q/k-norm kind, and
   the kernel slots (``rmsnorm_fn``, ``swiglu_fn``, ``rope_fn``);
 * ``decoder.py`` -- the arguments mixin (shape problems, parameter count, FLOPs), the block with its

@@ -155,11 +155,6 @@ class DecoderArgs:
         """Parameters of block ``layer``'s feed-forward (``active``: those one token uses)."""
         return 3 * self.dim * self.ffn_dim
 
-    @property
-    def block_params(self) -> int:
-        """Parameters of the largest :class:`TransformerBlock` (an FSDP unit)."""
-        return self.attention_params + max(self.mlp_params(i) for i in range(self.n_layers))
-
     def num_params(self, exclude_embedding: bool = False, *, active: bool = False) -> int:
         """Parameter count computed from the shapes alone (nothing is built).
 
@@ -227,21 +222,26 @@ class TransformerBlock(nn.Module):
     checkpointing, ``torch.compile``, ``fully_shard``).
     """
 
-    def __init__(self, args: DecoderArgs, mlp: nn.Module | None = None) -> None:
+    def __init__(
+        self, args: DecoderArgs, mlp: nn.Module | None = None, attn: nn.Module | None = None
+    ) -> None:
         super().__init__()
         if args.norm_placement not in ("pre", "post"):
             raise ValueError(f"norm_placement={args.norm_placement!r} is not one of pre, post")
         self.norm_placement = args.norm_placement
         if args.norm_placement == "pre":
             self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.self_attn = Attention(
-            args.dim,
-            args.n_heads,
-            args.n_kv_heads,
-            args.head_dim,
-            norm_eps=args.norm_eps,
-            qk_norm=args.qk_norm,
-        )
+        # A family's own attention (latent attention) or the shared grouped-query one.
+        if attn is None:
+            attn = Attention(
+                args.dim,
+                args.n_heads,
+                args.n_kv_heads,
+                args.head_dim,
+                norm_eps=args.norm_eps,
+                qk_norm=args.qk_norm,
+            )
+        self.self_attn = attn
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         # A family's own feed-forward (a mixture of experts) or the shared SwiGLU.
         self.mlp = FeedForward(args.dim, args.ffn_dim) if mlp is None else mlp

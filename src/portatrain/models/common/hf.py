@@ -10,8 +10,11 @@ model authors publish, which transformers 4.x reads as-is and 5.x converts (``ro
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
+
+import torch
 
 _HF_PREFIX = "model."
 _LM_HEAD = "lm_head.weight"
@@ -155,3 +158,56 @@ def decoder_args(config: Mapping[str, Any], *, default_max_seq_len: int) -> dict
         "max_seq_len": config.get("max_position_embeddings", default_max_seq_len),
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
     }
+
+
+# Mixtures of experts: the Hub's checkpoints (Qwen 3 MoE, DeepSeek-V3) hold one tensor per expert
+# (``mlp.experts.<e>.gate_proj.weight`` ``[I, H]``, ``up_proj``, ``down_proj`` ``[H, I]``); transformers
+# 5 fuses them on load into ``mlp.experts.gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` -- the
+# layout our experts keep. :func:`experts_to_hf` writes the Hub's per-expert form, which transformers
+# 4 and 5 both load; :func:`experts_from_hf` reads either form.
+
+_STACKED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def experts_to_hf(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """Each stacked expert tensor split into one tensor per expert (other keys untouched)."""
+    out: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        match = _STACKED.match(key)
+        if match is None:
+            out[key] = value
+        elif match[2] == "down_proj":
+            out.update({f"{match[1]}.{e}.down_proj.weight": w for e, w in enumerate(value.unbind(0))})
+        else:
+            for e, w in enumerate(value.unbind(0)):
+                gate, up = w.chunk(2, dim=0)
+                out[f"{match[1]}.{e}.gate_proj.weight"] = gate
+                out[f"{match[1]}.{e}.up_proj.weight"] = up
+    return out
+
+
+def experts_from_hf(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """Per-expert tensors stacked in expert order (fused ones and other keys untouched)."""
+    experts: dict[tuple[str, str], dict[int, Any]] = {}
+    rest = {}
+    for key, value in state_dict.items():
+        match = _PER_EXPERT.match(key)
+        if match is None:
+            rest[key] = value
+        else:
+            experts.setdefault((match[1], match[3]), {})[int(match[2])] = value
+    for (prefix, name), by_index in experts.items():
+        if sorted(by_index) != list(range(len(by_index))):
+            raise KeyError(f"{prefix}.{name}: experts {sorted(by_index)} are not 0..{len(by_index) - 1}")
+        stacked = torch.stack([by_index[e] for e in range(len(by_index))])
+        if name == "down_proj":
+            rest[f"{prefix}.down_proj"] = stacked
+        else:
+            rest.setdefault(f"{prefix}.gate_up_proj", {})[name] = stacked
+    for key, value in list(rest.items()):
+        if isinstance(value, dict):
+            if set(value) != {"gate_proj", "up_proj"}:
+                raise KeyError(f"{key}: needs both gate_proj and up_proj per expert, got {sorted(value)}")
+            rest[key] = torch.cat([value["gate_proj"], value["up_proj"]], dim=1)
+    return rest

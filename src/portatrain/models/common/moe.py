@@ -7,8 +7,10 @@ What is here, top to bottom:
   elsewhere. Opaque to ``torch.compile`` (its output shape is static), so a compiled block never
   traces the data-dependent group sizes.
 * :class:`Router` -- token-choice top-k over softmax scores, with optional renormalization of the
-  top-k weights (Qwen 3 MoE's ``norm_topk_prob``). Scores and selection are separate steps, so the
-  sigmoid scores, per-expert selection bias and group-limited top-k of DeepSeek-V3 slot in beside.
+  top-k weights (Qwen 3 MoE's ``norm_topk_prob``).
+* :class:`BiasedRouter` -- DeepSeek-V3's: sigmoid scores, a per-expert bias added for selection
+  only, group-limited top-k and a routed scaling factor; the bias is nudged after each optimizer
+  step toward even load (:func:`update_expert_bias`), outside the gradient.
 * :class:`GroupedExperts` -- every expert's SwiGLU weights stacked as ``[n_experts, ...]`` tensors,
   in Hugging Face transformers 5's layout (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``).
 * :class:`MoE` -- routes, dispatches, combines; adds the load-balancing loss to the gradient and keeps
@@ -35,6 +37,13 @@ the layer (:class:`_AddAuxLoss`, as DeepSeek's published modelling code does), s
 unchanged. Its statistics are the global batch's (summed over the data-parallel ranks by
 ``MoE.reduce_stats``, which the trainer sets), and the trainer sets ``aux_loss_scale`` to
 ``1 / micro-batches``, so every layout computes the loss one process would.
+
+Auxiliary-loss-free balance (DeepSeek-V3, https://arxiv.org/abs/2412.19437, section 2.1.2): a
+:class:`BiasedRouter` adds ``e_score_correction_bias`` to the scores it selects by (not to the
+weights it returns) and, after each optimizer step, moves each expert's bias by
+``bias_update_rate`` toward even load -- down if the expert took more than the mean of the step's
+global assignments, up if fewer (then centred, as torchtitan's ``_update_expert_bias``, which does not
+change any selection). The bias is a persistent buffer: checkpoints keep it and resume it.
 
 Routing statistics accumulate in non-persistent buffers (no host sync); :func:`routing_stats`
 reads and resets them at logging steps.
@@ -162,6 +171,9 @@ class Router(nn.Module):
         """Router probabilities ``[T, n_experts]`` in fp32 (softmax over the experts)."""
         return F.softmax(F.linear(x, self.weight).float(), dim=-1)
 
+    def init_weights(self, std: float) -> None:
+        trunc_normal_(self.weight, std)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(weights [T, k] fp32, experts [T, k], probs [T, n_experts] fp32)`` for tokens ``x [T, dim]``."""
         probs = self.scores(x)
@@ -169,6 +181,85 @@ class Router(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, experts, probs
+
+    def record_load(self, load: torch.Tensor) -> None:
+        """Called by the layer in each training forward with the global batch's assignments per
+        expert; a router that balances itself keeps them (this one does not)."""
+
+
+class BiasedRouter(Router):
+    """DeepSeek-V3's router: sigmoid scores, selection by score plus a per-expert bias, group-limited.
+
+    Selection: each expert's ``sigmoid(x . w_e) + e_score_correction_bias[e]``; experts in
+    ``n_group`` equal groups, each group scored by the sum of its two best, and only the
+    ``topk_group`` best groups open (node-limited routing: a token's experts span at most that many
+    groups, e.g. nodes); the top ``top_k`` of the open experts are chosen. Weights: the chosen
+    experts' sigmoid scores without the bias, renormalized to sum to 1 (``norm_topk_prob``), times
+    ``routed_scaling_factor``. Same arithmetic as transformers' ``DeepseekV3TopkRouter``.
+
+    ``probs`` (for the optional load-balancing loss) are the scores normalized per token, as
+    DeepSeek-V3's sequence-wise balance loss normalizes them.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        n_experts: int,
+        top_k: int,
+        *,
+        n_group: int,
+        topk_group: int,
+        routed_scaling_factor: float,
+        norm_topk_prob: bool,
+        bias_update_rate: float,
+    ) -> None:
+        super().__init__(dim, n_experts, top_k, norm_topk_prob=norm_topk_prob)
+        self.n_group, self.topk_group = n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+        self.bias_update_rate = bias_update_rate
+        # HF's name; a persistent buffer (in checkpoints and exports), not a parameter: no gradient.
+        self.register_buffer("e_score_correction_bias", torch.zeros(n_experts))
+        # Global assignments per expert since the last bias update (training forwards only).
+        self.register_buffer("load", torch.zeros(n_experts), persistent=False)
+
+    def init_weights(self, std: float) -> None:
+        super().init_weights(std)
+        self.e_score_correction_bias.zero_()
+        self.load.zero_()
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(F.linear(x, self.weight).float())
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scores = self.scores(x)
+        choice = scores.detach() + self.e_score_correction_bias
+        if self.topk_group < self.n_group:
+            tokens, per_group = choice.shape[0], choice.shape[1] // self.n_group
+            groups = choice.view(tokens, self.n_group, per_group)
+            group_scores = groups.topk(min(2, per_group), dim=-1).values.sum(dim=-1)
+            best = group_scores.topk(self.topk_group, dim=-1).indices
+            open_groups = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            open_experts = open_groups[:, :, None].expand(-1, -1, per_group).reshape(tokens, -1)
+            choice = choice.masked_fill(~open_experts, float("-inf"))
+        experts = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, experts, scores / scores.sum(dim=-1, keepdim=True)
+
+    def record_load(self, load: torch.Tensor) -> None:
+        if self.bias_update_rate > 0:
+            self.load.add_(load)
+
+    def update_bias(self, ok: torch.Tensor | None = None) -> None:
+        """Move the bias toward even load by the step's assignments, then forget them. ``ok``: a
+        device bool, false where the optimizer step was skipped (then the bias stays)."""
+        delta = self.bias_update_rate * torch.sign(self.load.mean() - self.load)
+        delta = delta - delta.mean()
+        if ok is not None:
+            delta = delta * ok
+        self.e_score_correction_bias.add_(delta)
+        self.load.zero_()
 
 
 def _stored(weight: torch.Tensor) -> torch.Tensor:
@@ -252,6 +343,7 @@ class MoE(nn.Module):
         n_shared_experts: experts every token passes through, as one SwiGLU ``n_shared * hidden_dim``
             wide (DeepSeek's ``shared_experts``); 0 for none.
         aux_loss_coef: weight of the load-balancing loss (Qwen 3 MoE's ``router_aux_loss_coef``).
+        router: the router (e.g. a :class:`BiasedRouter`); default a softmax :class:`Router`.
     """
 
     def __init__(
@@ -264,11 +356,12 @@ class MoE(nn.Module):
         norm_topk_prob: bool,
         n_shared_experts: int = 0,
         aux_loss_coef: float = 0.0,
+        router: Router | None = None,
     ) -> None:
         super().__init__()
         self.n_experts, self.top_k = n_experts, top_k
         self.aux_loss_coef = aux_loss_coef
-        self.gate = Router(dim, n_experts, top_k, norm_topk_prob=norm_topk_prob)
+        self.gate = Router(dim, n_experts, top_k, norm_topk_prob=norm_topk_prob) if router is None else router
         self.experts = GroupedExperts(n_experts, dim, hidden_dim)
         self.shared_experts = FeedForward(dim, hidden_dim * n_shared_experts) if n_shared_experts else None
         # Execution settings the trainer sets (model code never looks at the device).
@@ -287,7 +380,7 @@ class MoE(nn.Module):
         self.register_buffer("forwards", torch.zeros(()), persistent=False)
 
     def init_weights(self, std: float, out_std: float) -> None:
-        trunc_normal_(self.gate.weight, std)
+        self.gate.init_weights(std)
         self.experts.init_weights(std, out_std)
         if self.shared_experts is not None:
             self.shared_experts.init_weights(std, out_std)
@@ -334,6 +427,8 @@ class MoE(nn.Module):
             own = self.n_experts * (load_share * prob_sums).sum() / stats[-1]  # this rank's gradient
             y = _AddAuxLoss.apply(y, own, self.aux_loss_coef * self.aux_loss_scale)
         with torch.no_grad():
+            if self.training:
+                self.gate.record_load(stats[: self.n_experts])
             self.expert_load.add_(load)
             self.aux_loss_sum.add_(aux.detach())
             self.forwards.add_(1)
@@ -397,6 +492,20 @@ def routing_stats(model: nn.Module) -> dict[str, float]:
     for m in layers:
         m.reset_stats()
     return stats
+
+
+def balanced_routers(model: nn.Module) -> list[BiasedRouter]:
+    """The routers whose bias :func:`update_expert_bias` moves (those with a positive rate)."""
+    return [m for m in model.modules() if isinstance(m, BiasedRouter) and m.bias_update_rate > 0]
+
+
+@torch.no_grad()
+def update_expert_bias(routers: list[BiasedRouter], ok: torch.Tensor | None = None) -> None:
+    """After an optimizer step: each router's bias toward even load (``ok`` false: the step was
+    skipped, the bias stays). On the device, no host sync; every rank computes the same update
+    from the global assignments."""
+    for router in routers:
+        router.update_bias(ok)
 
 
 def configure_moe(

@@ -10,62 +10,26 @@ The Hub's checkpoints hold one tensor per expert (``mlp.experts.<e>.gate_proj.we
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping
 from typing import Any
-
-import torch
 
 from portatrain.models.common import hf as common
 from portatrain.models.qwen3 import hf as qwen3_hf
 from portatrain.models.qwen3_moe.model import Qwen3MoeArgs
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
-_STACKED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def to_hf(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """Our keys -> the Hub's, each stacked expert tensor split into one tensor per expert."""
-    out: dict[str, Any] = {}
-    for key, value in common.to_hf(state_dict).items():
-        match = _STACKED.match(key)
-        if match is None:
-            out[key] = value
-        elif match[2] == "down_proj":
-            out.update({f"{match[1]}.{e}.down_proj.weight": w for e, w in enumerate(value.unbind(0))})
-        else:
-            for e, w in enumerate(value.unbind(0)):
-                gate, up = w.chunk(2, dim=0)
-                out[f"{match[1]}.{e}.gate_proj.weight"] = gate
-                out[f"{match[1]}.{e}.up_proj.weight"] = up
-    return out
+    return common.experts_to_hf(common.to_hf(state_dict))
 
 
 def from_hf(state_dict: Mapping[str, Any], *, tie_embeddings: bool | None = None) -> dict[str, Any]:
     """The Hub's per-expert keys (or transformers 5's fused ones) -> ours, experts stacked in order."""
-    experts: dict[tuple[str, str], dict[int, Any]] = {}
-    rest = {}
-    for key, value in state_dict.items():
-        match = _PER_EXPERT.match(key)
-        if match is None:
-            rest[key] = value
-        else:
-            experts.setdefault((match[1], match[3]), {})[int(match[2])] = value
-    for (prefix, name), by_index in experts.items():
-        if sorted(by_index) != list(range(len(by_index))):
-            raise KeyError(f"{prefix}.{name}: experts {sorted(by_index)} are not 0..{len(by_index) - 1}")
-        stacked = torch.stack([by_index[e] for e in range(len(by_index))])
-        if name == "down_proj":
-            rest[f"{prefix}.down_proj"] = stacked
-        else:
-            rest.setdefault(f"{prefix}.gate_up_proj", {})[name] = stacked
-    for key, value in list(rest.items()):
-        if isinstance(value, dict):
-            if set(value) != {"gate_proj", "up_proj"}:
-                raise KeyError(f"{key}: needs both gate_proj and up_proj per expert, got {sorted(value)}")
-            rest[key] = torch.cat([value["gate_proj"], value["up_proj"]], dim=1)
-    return common.from_hf(rest, tie_embeddings=tie_embeddings, architecture=ARCHITECTURE)
+    return common.from_hf(
+        common.experts_from_hf(state_dict), tie_embeddings=tie_embeddings, architecture=ARCHITECTURE
+    )
 
 
 def hf_config(args: Qwen3MoeArgs, *, torch_dtype: str = "bfloat16") -> dict[str, Any]:
