@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -194,6 +195,11 @@ class TrainerConfig:
     when ``compute_loss`` is not overridden)."""
     loss_chunk_size: int = 1024
     """Positions per chunk of ``trainer.loss=chunked`` (peak extra memory ~ 2 x chunk x vocab x 4 bytes)."""
+    eval_tasks: Any = field(default_factory=list)
+    """lm-evaluation-harness tasks run during training (``[a,b]``, ``a`` or ``'a,b'``; empty: none),
+    with the ``eval`` section's settings; their metrics are logged as ``eval/<task>/<metric>``."""
+    eval_tasks_every: int = 0
+    """Run ``eval_tasks`` every N steps and at the end; 0: at ``trainer.eval_every``'s interval."""
 
 
 @dataclass
@@ -350,6 +356,31 @@ class ExportConfig:
 
 
 @dataclass
+class EvalConfig:
+    """``portatrain eval checkpoint=PATH|auto tasks=[...]``: lm-evaluation-harness tasks on a checkpoint
+    (``portatrain.evaluation``). The task settings also serve ``trainer.eval_tasks``."""
+
+    checkpoint: str = "auto"
+    """A ``step_N`` checkpoint directory, a run directory (its newest), or ``auto``: the newest under ``run_dir``."""
+    tasks: Any = field(default_factory=list)
+    """lm-eval task, group or tag names: ``[a,b]``, ``a`` or ``'a,b'``."""
+    include_path: list[str] = field(default_factory=list)
+    """Folders of local task YAML files (their data a local jsonl: nothing is downloaded)."""
+    limit: float | None = None
+    """Documents per task: a count, or a fraction below 1; null: all."""
+    num_fewshot: int | None = None
+    """Few-shot examples per prompt; null: each task's own."""
+    batch_size: int = 8
+    """Requests per forward."""
+    max_gen_toks: int = 256
+    """Tokens a generation may add when its task sets no ``max_gen_toks``."""
+    bootstrap_iters: int = 100000
+    """Resamples for the standard errors of metrics without a closed form (0: none; training uses 0)."""
+    out: str | None = None
+    """Also write lm-eval's results as JSON to this file."""
+
+
+@dataclass
 class PrepareConfig:
     """``portatrain prepare out=DIR``: tokenize ``data.dataset`` (or ``data.mix``) into memory-mapped shards."""
 
@@ -474,6 +505,7 @@ class Config:
     compile: CompileConfig = field(default_factory=CompileConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)

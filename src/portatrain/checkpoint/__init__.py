@@ -56,6 +56,7 @@ from portatrain.checkpoint.checkpointer import (
     Checkpointer,
     complete_checkpoints,
     inspect_checkpoint,
+    load_model_weights,
     model_args_dict,
     read_trainer_state,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "inspect_checkpoint",
     "load_dataloader_state",
     "load_hf_weights",
+    "load_model_weights",
     "model_args_dict",
     "newest_usable",
     "nonfinite_keys",

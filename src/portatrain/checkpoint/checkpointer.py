@@ -352,9 +352,7 @@ class Checkpointer:
             rng = {k: v.clone() for k, v in rng_template.items() if isinstance(v, torch.Tensor)}
             tensors["rng"] = {f"rank{rank}": rng}
         param_groups = _current_param_groups(path, state["optimizer_param_groups"], optim_sd["param_groups"])
-        saved_dtypes = {
-            k: v.properties.dtype for k, v in metadata.state_dict_metadata.items() if hasattr(v, "properties")
-        }
+        saved_dtypes = _saved_dtypes(metadata)
         try:
             dcp.load(tensors, storage_reader=safe_reader(str(path)))
             # Before anything is handed to the optimizer: the content is what was saved, and finite.
@@ -372,18 +370,49 @@ class Checkpointer:
             )
         except CheckpointError:
             raise
-        # DCP reports failures as CheckpointException, a BaseException: name the checkpoint and the
-        # first cause in one line (its remote tracebacks, and torch.load's advice to pass
-        # weights_only=False, help nobody whose checkpoint file was damaged).
-        except (Exception, dcp.CheckpointException) as exc:
-            causes = root_causes(exc)
-            raise DamagedCheckpointError(
-                f"checkpoint {path} is corrupt: reading its tensors failed ({short_cause(causes[0])}); "
-                "a *.distcp file was overwritten or damaged. Resume from an earlier step_* directory "
-                "(checkpoint.resume=auto skips it)"
-            ) from None
+        except (Exception, dcp.CheckpointException) as exc:  # the latter is a BaseException
+            raise _unreadable(path, exc) from None
         self.last_step, self.last_verified = int(state["step"]), "loaded"
         return state, loader_state, tensors.get("rng", {}).get(f"rank{rank}")
+
+
+def _saved_dtypes(metadata: Any) -> dict[str, torch.dtype]:
+    """The dtype of each tensor in a checkpoint (a tensor loaded into another one cannot be compared)."""
+    return {k: v.properties.dtype for k, v in metadata.state_dict_metadata.items() if hasattr(v, "properties")}
+
+
+def _unreadable(path: Path, exc: BaseException) -> DamagedCheckpointError:
+    """DCP reports failures as CheckpointException, a BaseException: name the checkpoint and the
+    first cause in one line (its remote tracebacks, and torch.load's advice to pass
+    weights_only=False, help nobody whose checkpoint file was damaged)."""
+    return DamagedCheckpointError(
+        f"checkpoint {path} is corrupt: reading its tensors failed ({short_cause(root_causes(exc)[0])}); "
+        "a *.distcp file was overwritten or damaged. Resume from an earlier step_* directory "
+        "(checkpoint.resume=auto skips it)"
+    )
+
+
+def load_model_weights(path: Path, model: nn.Module) -> dict[str, Any]:
+    """Load only the model's weights from checkpoint ``path`` (resharded to the model's layout, checked
+    against the checksums written at save time and for finiteness, like :meth:`Checkpointer.load`);
+    returns its ``trainer_state.json``. For a model that is evaluated, not trained on: no optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    path = Path(path)
+    state, metadata = inspect_checkpoint(path)
+    model_sd = get_model_state_dict(model)
+    _check_shapes(path, metadata, model_sd)
+    saved_dtypes = _saved_dtypes(metadata)
+    try:
+        dcp.load({"model": model_sd}, storage_reader=safe_reader(str(path)))
+        verify_loaded(path, flat_tensors({"model": model_sd}), state.get("checksums"), saved_dtypes)
+        set_model_state_dict(model, model_sd)
+    except CheckpointError:
+        raise
+    except (Exception, dcp.CheckpointException) as exc:
+        raise _unreadable(path, exc) from None
+    return state
 
 
 def _read_loader_state(path: Path, rank: int) -> dict[str, Any] | None:

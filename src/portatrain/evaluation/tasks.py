@@ -1,0 +1,151 @@
+"""lm-evaluation-harness tasks: find them, check their names, run them, flatten their metrics.
+
+- :func:`task_names` -- ``eval.tasks`` / ``trainer.eval_tasks`` as a list (a name, ``a,b`` or ``[a,b]``);
+- :func:`task_manager` -- lm-eval's ``TaskManager`` over ``eval.include_path`` (local YAML task files)
+  and, only when a name is not found there, lm-eval's own task folders too: indexing lm-eval's
+  ~15,000 built-in tasks costs seconds of CPU, which a local task never pays;
+- :func:`task_problems` -- the config check: an unknown task is named with how to list tasks and
+  where local task files go (``portatrain.validate`` calls it before anything is built);
+- :func:`run_tasks` -- ``lm_eval.simple_evaluate`` on a :class:`~portatrain.evaluation.lm.PortatrainLM`,
+  leaving the process's random states as they were (lm-eval seeds ``random``, NumPy and torch);
+- :func:`flat_metrics` -- lm-eval's results as ``{"eval/<task>/<metric>": value}`` for the metric sinks.
+
+A local task is a YAML file in a folder of ``eval.include_path``, its data a local jsonl file
+(``dataset_path: json`` with ``dataset_kwargs: {data_files: ...}``): nothing is downloaded.
+``examples/lm_eval_tasks/`` is one (used by the tests and ``docs/evaluation.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+from collections.abc import Iterator, Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from portatrain.config import EvalConfig
+
+logger = logging.getLogger(__name__)
+
+LIST_TASKS_HINT = (
+    "list lm-eval's tasks with `lm-eval ls tasks`; put a local task's YAML file in a folder given "
+    "as eval.include_path=[DIR] (see examples/lm_eval_tasks)"
+)
+
+
+def task_names(value: Any) -> list[str]:
+    """``portatrain_tiny``, ``'a,b'`` or ``[a, b]`` -> a list of task names (empty: none)."""
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else list(value)
+    return [name.strip() for item in items for name in str(item).split(",") if name.strip()]
+
+
+@lru_cache(maxsize=4)
+def _manager(include_path: tuple[str, ...], include_defaults: bool) -> Any:
+    from lm_eval.tasks import TaskManager
+
+    paths = [str(Path(p).resolve()) for p in include_path] or None
+    return TaskManager(include_path=paths, include_defaults=include_defaults)
+
+
+def task_manager(names: Sequence[str], include_path: Sequence[str] = ()) -> Any:
+    """A ``TaskManager`` that knows ``names``: the local folders alone when they hold every one
+    (fast), else the local folders over lm-eval's own tasks. Cached per process."""
+    include = tuple(str(p) for p in include_path)
+    if include:
+        local = _manager(include, False)
+        if not _unknown(local, names):
+            return local
+    return _manager(include, True)
+
+
+def _unknown(manager: Any, names: Sequence[str]) -> list[str]:
+    """Names that are neither a registered task, group or tag nor a YAML file."""
+    known = set(manager.all_tasks)
+    return [n for n in names if n not in known and not (n.endswith((".yaml", ".yml")) and Path(n).is_file())]
+
+
+def task_problems(cfg: EvalConfig, names: Sequence[str], key: str) -> list[str]:
+    """The problems of running ``names`` (from config key ``key``) with ``cfg``'s settings."""
+    problems = []
+    missing = [p for p in cfg.include_path if not Path(p).exists()]
+    if missing:
+        problems.append(
+            f"eval.include_path: {', '.join(map(str, missing))} does not exist; give folders holding "
+            "lm-eval task YAML files"
+        )
+    for field in ("batch_size", "max_gen_toks"):
+        if getattr(cfg, field) <= 0:
+            problems.append(f"eval.{field}={getattr(cfg, field)} must be positive")
+    if cfg.limit is not None and not cfg.limit > 0:
+        problems.append(
+            f"eval.limit={cfg.limit} must be positive: a number of documents per task (e.g. 100), or a "
+            "fraction below 1; null evaluates every document"
+        )
+    if cfg.num_fewshot is not None and cfg.num_fewshot < 0:
+        problems.append(f"eval.num_fewshot={cfg.num_fewshot} must be >= 0, or null for each task's own")
+    if cfg.bootstrap_iters < 0:
+        problems.append(f"eval.bootstrap_iters={cfg.bootstrap_iters} must be >= 0 (0: no standard errors)")
+    if not names or problems:
+        return problems
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        return [f"{key}={list(names)} needs lm-eval: pip install 'portatrain[eval]'"]
+    unknown = _unknown(task_manager(names, cfg.include_path), names)
+    if unknown:
+        problems.append(f"{key}: unknown lm-eval task(s) {', '.join(map(repr, unknown))}; {LIST_TASKS_HINT}")
+    return problems
+
+
+@contextlib.contextmanager
+def preserved_random_state() -> Iterator[None]:
+    """Restore Python's, NumPy's and torch's CPU random states afterwards (lm-eval reseeds them).
+    Device generators are the caller's (``Accelerator.get_rng_state``)."""
+    import numpy as np
+
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+
+
+def run_tasks(lm: Any, names: Sequence[str], cfg: EvalConfig, *, bootstrap_iters: int | None = None) -> dict:
+    """Run lm-eval tasks ``names`` on ``lm``; lm-eval's results dict (``results``, ``configs``...)."""
+    from lm_eval import simple_evaluate
+
+    with preserved_random_state():
+        return simple_evaluate(
+            model=lm,
+            tasks=list(names),
+            num_fewshot=cfg.num_fewshot,
+            limit=cfg.limit,
+            bootstrap_iters=cfg.bootstrap_iters if bootstrap_iters is None else bootstrap_iters,
+            log_samples=False,
+            task_manager=task_manager(names, cfg.include_path),
+        )
+
+
+def flat_metrics(results: dict) -> dict[str, float]:
+    """``{"eval/<task>/<metric>": value}`` for every finite number of lm-eval's ``results`` (standard
+    errors left out); a metric under a filter other than ``none`` is ``<metric>/<filter>``."""
+    flat = {}
+    for task, metrics in results.get("results", {}).items():
+        for key, value in metrics.items():
+            metric, _, filt = key.partition(",")
+            if "_stderr" in metric or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if not math.isfinite(value):
+                continue
+            name = metric if filt in ("", "none") else f"{metric}/{filt}"
+            flat[f"eval/{task}/{name}"] = float(value)
+    return flat
