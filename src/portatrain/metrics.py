@@ -153,12 +153,16 @@ def progress_postfix(record: dict[str, Any]) -> dict[str, str]:
 # -- sinks ---------------------------------------------------------------------------------------
 def scalars(record: dict[str, Any]) -> dict[str, float]:
     """A record's finite numbers, named as every sink but JSONL names them: ``train/<key>``,
-    ``eval/<key>``, ``memory/<key>`` (the step is the x-axis, not a scalar)."""
+    ``eval/<key>``, ``memory/<key>`` (the step is the x-axis, not a scalar); a key that already
+    names its group (``eval/<task>/<metric>`` from lm-eval tasks) keeps its name."""
     named = {}
     for key, value in record.items():
         if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         if not math.isfinite(value):
+            continue
+        if "/" in key:
+            named[key] = value
             continue
         group = "eval" if key.startswith("eval") else "memory" if key.startswith("memory") else "train"
         named[f"{group}/{key}"] = value

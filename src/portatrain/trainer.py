@@ -20,6 +20,9 @@ Hooks (override in a subclass; each has one job):
     One optimizer step over ``grad_accum`` micro-batches; returns metrics of the step.
 ``evaluate()``
     Mean loss over ``trainer.eval_batches`` held-out batches.
+``evaluate_tasks()``
+    The lm-evaluation-harness tasks of ``trainer.eval_tasks`` (``portatrain.evaluation``), every
+    ``trainer.eval_tasks_every`` steps: ``{"eval/<task>/<metric>": value}``.
 ``warmup()``
     With ``compile.warmup``: compile every batch shape before step 1, then arm the recompile guard.
 ``on_step_end(step, metrics)`` / ``on_eval_end(step, metrics)``
@@ -83,6 +86,7 @@ from portatrain.data.loader import batch_shapes, build_collator, build_dataloade
 from portatrain.data.pipeline import build_data
 from portatrain.distributed import destroy_distributed, dist_info_from_env, init_distributed
 from portatrain.dtypes import dtype_from_name
+from portatrain.evaluation.tasks import task_names
 from portatrain.kernels import apply as apply_kernels
 from portatrain.kernels import resolve as resolve_kernels
 from portatrain.logwindow import LoggingWindow
@@ -294,6 +298,9 @@ class Trainer:
         self.compile_monitor = CompileMonitor(cfg.compile, cache=self.compile_cache)
         # audit.runtime / audit.nonfinite (portatrain.audit.runtime); off by default, free when off.
         self.runtime_audit = RuntimeAudit(cfg.audit, self.accelerator, self.model)
+        # lm-eval tasks between steps (trainer.eval_tasks); lm-eval is imported only when they run.
+        self.eval_task_names = task_names(cfg.trainer.eval_tasks)
+        self._eval_tasks_every = cfg.trainer.eval_tasks_every or cfg.trainer.eval_every
 
     def _restore(self) -> None:
         """Load the checkpoint to resume, or the Hugging Face weights of ``model.init_from``; then
@@ -393,6 +400,26 @@ class Trainer:
         self.model.train()
         loss_sum, count = self._all_reduce_sum(loss_sum), self._all_reduce_sum(torch.tensor(float(count)))
         return {"eval_loss": (loss_sum / count.clamp(min=1)).item()}
+
+    def evaluate_tasks(self) -> dict[str, float]:
+        """Run ``trainer.eval_tasks`` with lm-eval on the model as it is (every rank takes part, each
+        over every request); the random states are left as they were."""
+        from portatrain.evaluation import flat_metrics, run_tasks
+        from portatrain.evaluation.model import eval_mode, harness_lm
+
+        lm = harness_lm(
+            self.model,
+            self.tokenizer,
+            self.cfg.eval,
+            device=self.device,
+            dtype=self.dtype,
+            tp=self.parallel_dims.tp,
+        )
+        rng = self.accelerator.get_rng_state()
+        with eval_mode(self.model):
+            results = run_tasks(lm, self.eval_task_names, self.cfg.eval, bootstrap_iters=0)
+        self.accelerator.set_rng_state(rng)
+        return flat_metrics(results)
 
     def warmup(self) -> list[dict[str, Any]]:
         """Compile every shape of ``batch_shapes(cfg.data)`` before step 1 and arm the recompile guard.
@@ -530,6 +557,10 @@ class Trainer:
             ):
                 last.update(self._evaluate_and_log())
                 self.window.restart_clock()  # evaluation time is not training throughput
+            every = self._eval_tasks_every
+            if self.eval_task_names and every and (self.step % every == 0 or self.step == cfg.steps):
+                last.update(self._evaluate_and_log(self.evaluate_tasks))
+                self.window.restart_clock()
             if save_now:
                 self.save_checkpoint()
                 self.window.restart_clock()
@@ -599,11 +630,11 @@ class Trainer:
         self.window.reset()
         return last
 
-    def _evaluate_and_log(self) -> dict[str, float]:
-        """:meth:`evaluate` (its compilation watched, the runtime audit paused), logged, then
-        :meth:`on_eval_end`."""
+    def _evaluate_and_log(self, evaluate: Any = None) -> dict[str, float]:
+        """:meth:`evaluate` (or ``evaluate``: :meth:`evaluate_tasks`; its compilation watched, the
+        runtime audit paused), logged, then :meth:`on_eval_end`."""
         with self.compile_monitor.watch(what="evaluation"), self.runtime_audit.paused():
-            eval_metrics = self.evaluate()
+            eval_metrics = (evaluate or self.evaluate)()
         self.metrics.log({"step": self.step, **eval_metrics})
         self.on_eval_end(self.step, eval_metrics)
         return eval_metrics

@@ -17,6 +17,7 @@ from portatrain.config import CheckpointConfig, Config, DataConfig, TrainerConfi
 from portatrain.data.config import config_problems as data_problems
 from portatrain.dtypes import dtype_problem
 from portatrain.errors import ConfigError
+from portatrain.evaluation.tasks import eval_problems
 from portatrain.export import export_problems
 from portatrain.kernels import config_problems as kernel_problems
 from portatrain.losses import loss_problems
@@ -62,6 +63,7 @@ def config_problems(cfg: Config) -> list[str]:
     problems += runtime_audit_problems(cfg.audit, cfg.compile)
     problems += report_problems(cfg.report)
     problems += export_problems(cfg.export)
+    problems += eval_problems(cfg.eval, cfg.trainer, cfg.compile)
     if cfg.parallel.activation_checkpointing not in AC_MODES:
         problems.append(
             f"parallel.activation_checkpointing={cfg.parallel.activation_checkpointing!r} is not one of "

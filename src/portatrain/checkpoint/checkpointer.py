@@ -378,7 +378,9 @@ class Checkpointer:
 
 def _saved_dtypes(metadata: Any) -> dict[str, torch.dtype]:
     """The dtype of each tensor in a checkpoint (a tensor loaded into another one cannot be compared)."""
-    return {k: v.properties.dtype for k, v in metadata.state_dict_metadata.items() if hasattr(v, "properties")}
+    return {
+        k: v.properties.dtype for k, v in metadata.state_dict_metadata.items() if hasattr(v, "properties")
+    }
 
 
 def _unreadable(path: Path, exc: BaseException) -> DamagedCheckpointError:

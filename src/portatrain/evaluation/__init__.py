@@ -14,6 +14,13 @@ lm-eval is an optional dependency (``pip install 'portatrain[eval]'``), imported
 
 from __future__ import annotations
 
-from portatrain.evaluation.tasks import flat_metrics, run_tasks, task_manager, task_names, task_problems
+from portatrain.evaluation.tasks import (
+    eval_problems,
+    flat_metrics,
+    run_tasks,
+    task_manager,
+    task_names,
+    task_problems,
+)
 
-__all__ = ["flat_metrics", "run_tasks", "task_manager", "task_names", "task_problems"]
+__all__ = ["eval_problems", "flat_metrics", "run_tasks", "task_manager", "task_names", "task_problems"]

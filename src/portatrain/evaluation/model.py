@@ -96,7 +96,13 @@ def load_checkpoint_model(cfg: Config, checkpoint: Path) -> CheckpointModel:
 
 
 def harness_lm(
-    model: nn.Module, tokenizer: Any, settings: EvalConfig, *, device: torch.device, dtype: torch.dtype, tp: int
+    model: nn.Module,
+    tokenizer: Any,
+    settings: EvalConfig,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: int,
 ) -> Any:
     """An lm-eval model over ``model``: forwards without gradients, under autocast to ``dtype``."""
     from portatrain.evaluation.lm import PortatrainLM

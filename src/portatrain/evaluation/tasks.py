@@ -4,7 +4,7 @@
 - :func:`task_manager` -- lm-eval's ``TaskManager`` over ``eval.include_path`` (local YAML task files)
   and, only when a name is not found there, lm-eval's own task folders too: indexing lm-eval's
   ~15,000 built-in tasks costs seconds of CPU, which a local task never pays;
-- :func:`task_problems` -- the config check: an unknown task is named with how to list tasks and
+- :func:`eval_problems` / :func:`task_problems` -- the config check: an unknown task is named with how to list tasks and
   where local task files go (``portatrain.validate`` calls it before anything is built);
 - :func:`run_tasks` -- ``lm_eval.simple_evaluate`` on a :class:`~portatrain.evaluation.lm.PortatrainLM`,
   leaving the process's random states as they were (lm-eval seeds ``random``, NumPy and torch);
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from portatrain.config import EvalConfig
+from portatrain.config import CompileConfig, EvalConfig, TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +71,24 @@ def _unknown(manager: Any, names: Sequence[str]) -> list[str]:
     return [n for n in names if n not in known and not (n.endswith((".yaml", ".yml")) and Path(n).is_file())]
 
 
-def task_problems(cfg: EvalConfig, names: Sequence[str], key: str) -> list[str]:
-    """The problems of running ``names`` (from config key ``key``) with ``cfg``'s settings."""
+def eval_problems(cfg: EvalConfig, trainer: TrainerConfig, compile_cfg: CompileConfig) -> list[str]:
+    """The problems of the ``eval`` section and of ``trainer.eval_tasks`` (for ``portatrain.validate``)."""
+    problems = []
+    if trainer.eval_tasks_every < 0:
+        problems.append(
+            f"trainer.eval_tasks_every={trainer.eval_tasks_every} must be >= 0 (0: trainer.eval_every's interval)"
+        )
+    in_training = task_names(trainer.eval_tasks)
+    if in_training and compile_cfg.enabled and compile_cfg.warmup and compile_cfg.on_recompile == "error":
+        problems.append(
+            f"trainer.eval_tasks={in_training} with compile.warmup=true: lm-eval's requests come in every "
+            "length, each a new shape the armed recompile guard refuses; set compile.on_recompile=warn"
+        )
+    return problems + task_problems(cfg, [*task_names(cfg.tasks), *in_training])
+
+
+def task_problems(cfg: EvalConfig, names: Sequence[str]) -> list[str]:
+    """The problems of running tasks ``names`` with ``cfg``'s settings."""
     problems = []
     missing = [p for p in cfg.include_path if not Path(p).exists()]
     if missing:
@@ -97,10 +113,10 @@ def task_problems(cfg: EvalConfig, names: Sequence[str], key: str) -> list[str]:
     try:
         import lm_eval  # noqa: F401
     except ImportError:
-        return [f"{key}={list(names)} needs lm-eval: pip install 'portatrain[eval]'"]
+        return [f"lm-eval tasks {list(names)} need the lm-eval package: pip install 'portatrain[eval]'"]
     unknown = _unknown(task_manager(names, cfg.include_path), names)
     if unknown:
-        problems.append(f"{key}: unknown lm-eval task(s) {', '.join(map(repr, unknown))}; {LIST_TASKS_HINT}")
+        problems.append(f"unknown lm-eval task(s) {', '.join(map(repr, unknown))}: {LIST_TASKS_HINT}")
     return problems
 
 

@@ -1,0 +1,146 @@
+"""lm-evaluation-harness on portatrain's own model: ``portatrain eval``, ``trainer.eval_tasks``, and the
+oracle -- lm-eval's own Hugging Face model (``HFLM``) on the ``portatrain export`` of the same checkpoint.
+
+The tasks are the local ones shipped in ``examples/lm_eval_tasks`` (jsonl data, nothing downloaded);
+their ``data_files`` are relative to the repository root, so the tests that load them run there.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from portatrain.checkpoint import complete_checkpoints
+from portatrain.export import export_hf
+from portatrain.metrics import scalars
+from tests.helpers import ROOT, TINY, compose_config, fit, read_metrics, train_records
+from tests.test_command_errors import one_line_error, run
+from tests.test_tokenizer import make_bpe_tokenizer
+
+pytest.importorskip("lm_eval")
+
+TASKS = ROOT / "examples" / "lm_eval_tasks"
+INCLUDE = f"eval.include_path=[{TASKS}]"
+ATOL = 1e-4
+
+
+def jsonl(name: str) -> list[dict]:
+    return [
+        json.loads(line) for line in (TASKS / "portatrain_tiny" / f"{name}.jsonl").read_text().splitlines()
+    ]
+
+
+@pytest.fixture(scope="module")
+def bpe_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Four steps with a BPE tokenizer directory (``export`` copies it: lm-eval's HF model loads it)."""
+    base = tmp_path_factory.mktemp("lmeval")
+    tokenizer = make_bpe_tokenizer(base / "tokenizer")
+    fit([f"data.tokenizer={tokenizer}"], base / "run")
+    return base / "run"
+
+
+def test_per_sample_scores_match_lm_evals_hf_model_on_the_export(bpe_run: Path, tmp_path: Path) -> None:
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from portatrain.evaluation.model import harness_lm, load_checkpoint_model
+
+    checkpoint = complete_checkpoints(bpe_run / "checkpoints")[-1]
+    theirs = HFLM(
+        pretrained=str(export_hf(checkpoint, tmp_path / "hf", max_shard_size=10**9)),
+        dtype="float32",
+        device="cpu",
+        batch_size=3,
+    )
+    cfg = compose_config(TINY)
+    loaded = load_checkpoint_model(cfg, checkpoint)
+    ours = harness_lm(
+        loaded.model, loaded.tokenizer, cfg.eval, device=loaded.accelerator.device, dtype=loaded.dtype, tp=1
+    )
+    assert ours.max_length == theirs.max_length == 512
+
+    long_text = " ".join(d["text"] for d in jsonl("perplexity")) * 4  # > 512 tokens: truncation, windows
+    pairs = [(d["context"], c) for d in jsonl("choice") for c in d["choices"]]
+    pairs += [("", "The quick fox"), (long_text, " near the river.")]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    mine, reference = (
+        ours.loglikelihood(requests, disable_tqdm=True),
+        theirs.loglikelihood(requests, disable_tqdm=True),
+    )
+    assert max(abs(a[0] - b[0]) for a, b in zip(mine, reference)) <= ATOL
+    assert [a[1] for a in mine] == [b[1] for b in reference]
+
+    texts = [d["text"] for d in jsonl("perplexity")] + [long_text]
+    rolling = [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)]
+    mine, reference = ours.loglikelihood_rolling(rolling), theirs.loglikelihood_rolling(rolling)
+    assert max(abs(a - b) for a, b in zip(mine, reference)) <= ATOL
+
+    settings = {"until": [".", "\n"], "max_gen_toks": 8, "do_sample": False}
+    prompts = [d["question"] for d in jsonl("generate")] + ["The red fox sees the"]
+    generate = [Instance("generate_until", {}, (p, dict(settings)), i) for i, p in enumerate(prompts)]
+    assert ours.generate_until(generate) == theirs.generate_until(generate)
+
+
+def test_cli_eval_runs_the_local_tasks_and_writes_results(
+    bpe_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(ROOT)  # the tasks' data_files are relative to the repository root
+    out = tmp_path / "results.json"
+    argv = ["eval", "device=cpu", f"checkpoint={bpe_run}", "tasks=portatrain_tiny", INCLUDE]
+    status, err = run([*argv, "eval.bootstrap_iters=0", f"out={out}", f"run_dir={tmp_path / 'e'}"], capsys)
+    assert status == 0, err
+    printed = capsys.readouterr().out
+    assert "step_0000004 (step 4)" in printed and "portatrain_tiny_choice" in printed
+    results = json.loads(out.read_text())
+    assert results["step"] == 4
+    assert set(results["results"]) == {f"portatrain_tiny_{t}" for t in ("choice", "generate", "perplexity")}
+    assert 0 <= results["results"]["portatrain_tiny_choice"]["acc,none"] <= 1
+    assert results["results"]["portatrain_tiny_perplexity"]["byte_perplexity,none"] > 1
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["tasks=no_such_task_xyz"], ["'no_such_task_xyz'", "lm-eval ls tasks", "eval.include_path"]),
+        (
+            ["tasks=portatrain_tiny", "checkpoint=/no/such/run/step_0000009"],
+            ["/no/such/run/step_0000009", "does not exist"],
+        ),
+        (["tasks=[]"], ["eval.tasks is empty"]),
+    ],
+)
+def test_bad_input_is_one_line(
+    args: list[str],
+    expected: list[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    status, err = run(["eval", *TINY, INCLUDE, *args], capsys)
+    line = one_line_error(err, "eval")
+    assert status == 2 and all(text in line for text in expected), line
+    assert list(tmp_path.iterdir()) == []  # the run directory Hydra made is gone again
+
+
+def test_training_logs_the_tasks_every_n_steps_without_changing_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(ROOT)
+    tasks = [
+        "trainer.eval_tasks=[portatrain_tiny_choice,portatrain_tiny_generate]",
+        "trainer.eval_tasks_every=2",
+    ]
+    fit([*tasks, INCLUDE, "eval.limit=4"], tmp_path / "with")
+    fit([], tmp_path / "without")
+    assert [r["loss"] for r in train_records(tmp_path / "with")] == [
+        r["loss"] for r in train_records(tmp_path / "without")
+    ]  # lm-eval reseeds every random generator; the trainer puts them back
+    evals = [r for r in read_metrics(tmp_path / "with") if "eval/portatrain_tiny_choice/acc" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert {"eval/portatrain_tiny_choice/acc_norm", "eval/portatrain_tiny_generate/exact_match"} <= set(
+        evals[0]
+    )
+    assert scalars(evals[0])["eval/portatrain_tiny_choice/acc"] == evals[0]["eval/portatrain_tiny_choice/acc"]
