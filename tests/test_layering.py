@@ -21,7 +21,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("models", "data"),  # model families (parallelize.py uses parallel/); the data pipeline
     # stages the trainer uses; the audit (static scan, runtime audit)
     ("compile", "losses", "optim", "profiling", "metrics", "checkpoint", "rundir", "audit"),
-    ("nonfinite", "logwindow"),  # what watches the training loop: non-finite steps, the logging window
+    # what watches the training loop: non-finite steps, the logging window; lm-eval tasks on the model
+    ("nonfinite", "logwindow", "evaluation"),
     ("trainer", "plan", "export"),  # the loop; the dry run; HF export
     ("bench", "launch", "parity"),  # commands' engines built on the trainer / the layout; parity
     ("report",),  # the portability report: audit + runtime audit + parity + bench

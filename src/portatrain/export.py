@@ -32,8 +32,9 @@ from typing import Any
 import torch
 
 from portatrain.checkpoint import (
+    LEGACY_MODEL_NAME,
     CheckpointError,
-    complete_checkpoints,
+    find_checkpoint,
     inspect_checkpoint,
     nonfinite_keys,
     safe_reader,
@@ -46,8 +47,6 @@ from portatrain.models import SPECS
 
 logger = logging.getLogger(__name__)
 
-LEGACY_MODEL_NAME = "llama3"
-"""The family of checkpoints saved before ``trainer_state.json`` recorded ``model_name``."""
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -62,21 +61,6 @@ def export_command(export: ExportConfig, run_dir: str | Path) -> Path:
     shards = len(list(out.glob("*.safetensors")))
     print(f"exported {checkpoint} -> {out}: {shards} safetensors shard(s), {export.dtype}")
     return out
-
-
-def find_checkpoint(spec: str, run_dir: Path) -> Path:
-    """``auto``: the newest complete checkpoint under ``run_dir``; a run directory: its newest; else ``spec``."""
-    if spec != "auto":
-        path = Path(spec)
-        newest = complete_checkpoints(path / "checkpoints")
-        return newest[-1] if newest else path
-    newest = complete_checkpoints(run_dir / "checkpoints")
-    if not newest:
-        raise CheckpointError(
-            f"checkpoint=auto: no complete checkpoint under {run_dir / 'checkpoints'}; pass "
-            "checkpoint=<a step_N directory>, or run_dir=<the training run's directory>"
-        )
-    return newest[-1]
 
 
 def parse_size(size: str | int) -> int:

@@ -53,6 +53,7 @@ A failed save (disk full...) removes its partial files and raises a ``Checkpoint
 from __future__ import annotations
 
 from portatrain.checkpoint.checkpointer import (
+    LEGACY_MODEL_NAME,
     Checkpointer,
     complete_checkpoints,
     inspect_checkpoint,
@@ -63,17 +64,19 @@ from portatrain.checkpoint.checkpointer import (
 from portatrain.checkpoint.common import FORMAT, CheckpointError
 from portatrain.checkpoint.hf import load_hf_weights
 from portatrain.checkpoint.preemption import PreemptionWatcher, sigterm_interrupts
-from portatrain.checkpoint.resume import load_dataloader_state, newest_usable, resolve_resume
+from portatrain.checkpoint.resume import find_checkpoint, load_dataloader_state, newest_usable, resolve_resume
 from portatrain.checkpoint.safe_metadata import UnsafeMetadataError, safe_reader
 from portatrain.checkpoint.verify import DamagedCheckpointError, nonfinite_keys
 
 __all__ = [
     "FORMAT",
+    "LEGACY_MODEL_NAME",
     "CheckpointError",
     "Checkpointer",
     "DamagedCheckpointError",
     "PreemptionWatcher",
     "complete_checkpoints",
+    "find_checkpoint",
     "inspect_checkpoint",
     "load_dataloader_state",
     "load_hf_weights",

@@ -60,6 +60,9 @@ from portatrain.checkpoint.verify import (
 
 logger = logging.getLogger(__name__)
 
+LEGACY_MODEL_NAME = "llama3"
+"""The family of checkpoints saved before ``trainer_state.json`` recorded ``model_name``."""
+
 
 def complete_checkpoints(folder: Path) -> list[Path]:
     """Complete checkpoints under ``folder`` (``step_<N>``, DCP index and trainer state present), oldest first."""

@@ -2,6 +2,7 @@
 
 - :func:`resolve_resume` turns ``checkpoint.resume`` (``none``/``auto``/a path) into a directory,
   and refuses to start a new run over another run's checkpoints;
+- :func:`find_checkpoint` resolves the ``checkpoint=PATH|auto`` of the commands that read one;
 - :func:`load_dataloader_state` restores the loader's position, or explains why it cannot.
 """
 
@@ -112,6 +113,22 @@ def _check_recipe(path: Path, state: dict[str, Any], recipe: str | None) -> None
             f"recipe={recipe} from its weights: `portatrain export checkpoint={path} out=DIR`, "
             f"then model.init_from=DIR."
         )
+
+
+def find_checkpoint(spec: str, run_dir: Path) -> Path:
+    """A checkpoint to read (``portatrain export``, ``portatrain eval``): ``auto``, the newest complete one
+    under ``run_dir``; a run directory: its newest; else ``spec`` itself."""
+    if spec != "auto":
+        path = Path(spec)
+        newest = complete_checkpoints(path / "checkpoints")
+        return newest[-1] if newest else path
+    newest = complete_checkpoints(run_dir / "checkpoints")
+    if not newest:
+        raise CheckpointError(
+            f"checkpoint=auto: no complete checkpoint under {run_dir / 'checkpoints'}; pass "
+            "checkpoint=<a step_N directory>, or run_dir=<the training run's directory>"
+        )
+    return newest[-1]
 
 
 def load_dataloader_state(loader: StatefulDataLoader, state: Mapping[str, Any], path: Path) -> None:

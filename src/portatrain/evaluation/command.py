@@ -16,9 +16,9 @@ def eval_command(cfg: Config) -> dict[str, Any]:
     """Evaluate ``eval.checkpoint`` on ``eval.tasks``; lm-eval's results (every rank computes them)."""
     from lm_eval.utils import handle_non_serializable, make_table
 
+    from portatrain.checkpoint import find_checkpoint
     from portatrain.distributed import destroy_distributed, dist_info_from_env
     from portatrain.evaluation.model import eval_mode, harness_lm, load_checkpoint_model
-    from portatrain.export import find_checkpoint
 
     names = task_names(cfg.eval.tasks)
     if not names:

@@ -41,11 +41,15 @@ class CheckpointModel:
 def load_checkpoint_model(cfg: Config, checkpoint: Path) -> CheckpointModel:
     """Build the model ``checkpoint`` records on ``cfg``'s device and layout and load its weights."""
     from portatrain.accelerators import resolve_accelerator
-    from portatrain.checkpoint import CheckpointError, inspect_checkpoint, load_model_weights
+    from portatrain.checkpoint import (
+        LEGACY_MODEL_NAME,
+        CheckpointError,
+        inspect_checkpoint,
+        load_model_weights,
+    )
     from portatrain.data.tokenizer import build_tokenizer
     from portatrain.distributed import dist_info_from_env, init_distributed
     from portatrain.dtypes import dtype_from_name
-    from portatrain.export import LEGACY_MODEL_NAME
     from portatrain.models import SPECS, moe_dispatch
     from portatrain.models.common.moe import configure_moe
     from portatrain.parallel import ParallelDims, parallelize_model
