@@ -15,7 +15,7 @@ import pytest
 from portatrain.checkpoint import complete_checkpoints
 from portatrain.export import export_hf
 from portatrain.metrics import scalars
-from tests.helpers import ROOT, TINY, compose_config, fit, read_metrics, train_records
+from tests.helpers import ROOT, TINY, compose_config, fit, read_metrics, torchrun, train_records
 from tests.test_command_errors import one_line_error, run
 from tests.test_tokenizer import make_bpe_tokenizer
 
@@ -98,6 +98,37 @@ def test_cli_eval_runs_the_local_tasks_and_writes_results(
     assert set(results["results"]) == {f"portatrain_tiny_{t}" for t in ("choice", "generate", "perplexity")}
     assert 0 <= results["results"]["portatrain_tiny_choice"]["acc,none"] <= 1
     assert results["results"]["portatrain_tiny_perplexity"]["byte_perplexity,none"] > 1
+
+
+@pytest.mark.slow
+def test_tensor_parallel_eval_under_torchrun_matches_one_process(
+    bpe_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ranks, the model's heads and sequence split over them (rows padded to a multiple of 2)."""
+    monkeypatch.chdir(ROOT)
+    args = [
+        "eval",
+        "device=cpu",
+        f"checkpoint={bpe_run}",
+        "tasks=portatrain_tiny",
+        INCLUDE,
+        "eval.bootstrap_iters=0",
+    ]
+    status, err = run([*args, f"out={tmp_path / 'one.json'}", f"run_dir={tmp_path / 'e1'}"], capsys)
+    assert status == 0, err
+    extra = [
+        "parallel.dp_shard=1",
+        "parallel.tp=2",
+        f"out={tmp_path / 'tp.json'}",
+        f"run_dir={tmp_path / 'e2'}",
+    ]
+    result = torchrun(2, [*args, *extra], cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, tp = (json.loads((tmp_path / f"{n}.json").read_text())["results"] for n in ("one", "tp"))
+    for task, metrics in one.items():
+        for key, value in metrics.items():
+            if isinstance(value, float):
+                assert tp[task][key] == pytest.approx(value, rel=1e-5), (task, key)
 
 
 @pytest.mark.parametrize(
