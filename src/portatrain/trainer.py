@@ -414,12 +414,16 @@ class Trainer:
             device=self.device,
             dtype=self.dtype,
             tp=self.parallel_dims.tp,
+            progress=False,
         )
         rng = self.accelerator.get_rng_state()
         with eval_mode(self.model):
-            results = run_tasks(lm, self.eval_task_names, self.cfg.eval, bootstrap_iters=0)
+            results = run_tasks(lm, self.eval_task_names, self.cfg.eval, bootstrap_iters=0, quiet=True)
         self.accelerator.set_rng_state(rng)
-        return flat_metrics(results)
+        metrics = flat_metrics(results)
+        if self.dist.is_main:
+            logger.info("step %d: %s", self.step, "  ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        return metrics
 
     def warmup(self) -> list[dict[str, Any]]:
         """Compile every shape of ``batch_shapes(cfg.data)`` before step 1 and arm the recompile guard.

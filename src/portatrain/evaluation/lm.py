@@ -63,6 +63,7 @@ class PortatrainLM(TemplateLM):
         batch_size: requests per forward.
         max_gen_toks: default generation budget when a task sets none (lm-eval's default is 256).
         pad_multiple: rows are padded to a multiple of this many positions (tensor parallel degree).
+        progress: show progress bars (off between training steps).
     """
 
     def __init__(
@@ -75,6 +76,7 @@ class PortatrainLM(TemplateLM):
         batch_size: int = 8,
         max_gen_toks: int = 256,
         pad_multiple: int = 1,
+        progress: bool = True,
     ) -> None:
         super().__init__()
         self._forward = forward
@@ -84,6 +86,7 @@ class PortatrainLM(TemplateLM):
         self.batch_size = int(batch_size)
         self.max_gen_toks = int(max_gen_toks)
         self.pad_multiple = max(int(pad_multiple), 1)
+        self.progress = progress
         self.pad_id = int(getattr(tokenizer, "pad_id", tokenizer.eos_id))
 
     # -- what lm-eval asks of a model --------------------------------------------------------------
@@ -112,6 +115,9 @@ class PortatrainLM(TemplateLM):
         return self.tokenizer.decode(tokens)
 
     # -- scoring -----------------------------------------------------------------------------------
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
+
     def _loglikelihood_tokens(
         self, requests: list[TokenRequest], disable_tqdm: bool = False, **kwargs: Any
     ) -> list[tuple[float, bool]]:
@@ -123,7 +129,9 @@ class PortatrainLM(TemplateLM):
 
         order = Collator(requests, sort_fn=longest_first)
         results: list[tuple[float, bool]] = []
-        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="loglikelihood requests")
+        bar = tqdm(
+            total=len(requests), disable=disable_tqdm or not self.progress, desc="loglikelihood requests"
+        )
         for chunk in order.get_batched(n=self.batch_size):
             # The input drops the last token (it is only predicted) and keeps the last max_length.
             inputs = [(ctx + cont)[-(self.max_length + 1) :][:-1] for _, ctx, cont in chunk]
@@ -173,7 +181,9 @@ class PortatrainLM(TemplateLM):
 
         order = Collator([req.args for req in requests], sort_fn=longest_first, group_by="gen_kwargs")
         results: list[str] = []
-        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="generate_until requests")
+        bar = tqdm(
+            total=len(requests), disable=disable_tqdm or not self.progress, desc="generate_until requests"
+        )
         for chunk in order.get_batched(n=self.batch_size):
             contexts = [context for context, _ in chunk]
             settings = normalize_gen_kwargs(chunk[0][1], self.max_gen_toks)  # one kind per chunk

@@ -107,6 +107,7 @@ def harness_lm(
     device: torch.device,
     dtype: torch.dtype,
     tp: int,
+    progress: bool = True,
 ) -> Any:
     """An lm-eval model over ``model``: forwards without gradients, under autocast to ``dtype``."""
     from portatrain.evaluation.lm import PortatrainLM
@@ -126,6 +127,7 @@ def harness_lm(
         batch_size=settings.batch_size,
         max_gen_toks=settings.max_gen_toks,
         pad_multiple=tp,
+        progress=progress,
     )
 
 

@@ -135,20 +135,30 @@ def preserved_random_state() -> Iterator[None]:
         torch.set_rng_state(states[2])
 
 
-def run_tasks(lm: Any, names: Sequence[str], cfg: EvalConfig, *, bootstrap_iters: int | None = None) -> dict:
-    """Run lm-eval tasks ``names`` on ``lm``; lm-eval's results dict (``results``, ``configs``...)."""
+def run_tasks(
+    lm: Any, names: Sequence[str], cfg: EvalConfig, *, bootstrap_iters: int | None = None, quiet: bool = False
+) -> dict:
+    """Run lm-eval tasks ``names`` on ``lm``; lm-eval's results dict (``results``, ``configs``...).
+    ``quiet``: lm-eval logs warnings only (between training steps)."""
     from lm_eval import simple_evaluate
 
+    lm_eval_logger = logging.getLogger("lm_eval")
+    level = lm_eval_logger.level
+    if quiet:
+        lm_eval_logger.setLevel(logging.WARNING)
     with preserved_random_state():
-        return simple_evaluate(
-            model=lm,
-            tasks=list(names),
-            num_fewshot=cfg.num_fewshot,
-            limit=cfg.limit,
-            bootstrap_iters=cfg.bootstrap_iters if bootstrap_iters is None else bootstrap_iters,
-            log_samples=False,
-            task_manager=task_manager(names, cfg.include_path),
-        )
+        try:
+            return simple_evaluate(
+                model=lm,
+                tasks=list(names),
+                num_fewshot=cfg.num_fewshot,
+                limit=cfg.limit,
+                bootstrap_iters=cfg.bootstrap_iters if bootstrap_iters is None else bootstrap_iters,
+                log_samples=False,
+                task_manager=task_manager(names, cfg.include_path),
+            )
+        finally:
+            lm_eval_logger.setLevel(level)
 
 
 def flat_metrics(results: dict) -> dict[str, float]:
@@ -157,11 +167,16 @@ def flat_metrics(results: dict) -> dict[str, float]:
     flat = {}
     for task, metrics in results.get("results", {}).items():
         for key, value in metrics.items():
-            metric, _, filt = key.partition(",")
-            if "_stderr" in metric or isinstance(value, bool) or not isinstance(value, (int, float)):
+            metric, comma, filt = key.partition(",")  # "acc,none"; "alias", "sample_len" are no metric
+            if (
+                not comma
+                or "_stderr" in metric
+                or isinstance(value, bool)
+                or not isinstance(value, (int, float))
+            ):
                 continue
             if not math.isfinite(value):
                 continue
-            name = metric if filt in ("", "none") else f"{metric}/{filt}"
+            name = metric if filt == "none" else f"{metric}/{filt}"
             flat[f"eval/{task}/{name}"] = float(value)
     return flat
