@@ -403,7 +403,8 @@ class Trainer:
 
     def evaluate_tasks(self) -> dict[str, float]:
         """Run ``trainer.eval_tasks`` with lm-eval on the model as it is (every rank takes part, each
-        over every request); the random states are left as they were."""
+        over every request; the metrics come back on local rank 0, ``{}`` elsewhere); the random
+        states are left as they were."""
         from portatrain.evaluation import flat_metrics, run_tasks
         from portatrain.evaluation.model import eval_mode, harness_lm
 

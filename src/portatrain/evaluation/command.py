@@ -12,8 +12,8 @@ from portatrain.errors import ConfigError
 from portatrain.evaluation.tasks import run_tasks, task_names
 
 
-def eval_command(cfg: Config) -> dict[str, Any]:
-    """Evaluate ``eval.checkpoint`` on ``eval.tasks``; lm-eval's results (every rank computes them)."""
+def eval_command(cfg: Config) -> dict[str, Any] | None:
+    """Evaluate ``eval.checkpoint`` on ``eval.tasks``; lm-eval's results (None on ranks other than 0)."""
     from lm_eval.utils import handle_non_serializable, make_table
 
     from portatrain.checkpoint import find_checkpoint
@@ -41,7 +41,7 @@ def eval_command(cfg: Config) -> dict[str, Any]:
             results = run_tasks(lm, names, cfg.eval)
     finally:
         destroy_distributed()
-    if dist_info_from_env().is_main:
+    if dist_info_from_env().is_main and results is not None:
         print(f"{checkpoint} (step {loaded.step}):")
         print(make_table(results))
         if "groups" in results:

@@ -79,6 +79,11 @@ def eval_problems(cfg: EvalConfig, trainer: TrainerConfig, compile_cfg: CompileC
             f"trainer.eval_tasks_every={trainer.eval_tasks_every} must be >= 0 (0: trainer.eval_every's interval)"
         )
     in_training = task_names(trainer.eval_tasks)
+    if in_training and not (trainer.eval_tasks_every or trainer.eval_every):
+        problems.append(
+            f"trainer.eval_tasks={in_training} would never run: trainer.eval_tasks_every=0 follows "
+            "trainer.eval_every, which is 0; set trainer.eval_tasks_every=N"
+        )
     if in_training and compile_cfg.enabled and compile_cfg.warmup and compile_cfg.on_recompile == "error":
         problems.append(
             f"trainer.eval_tasks={in_training} with compile.warmup=true: lm-eval's requests come in every "
@@ -137,9 +142,10 @@ def preserved_random_state() -> Iterator[None]:
 
 def run_tasks(
     lm: Any, names: Sequence[str], cfg: EvalConfig, *, bootstrap_iters: int | None = None, quiet: bool = False
-) -> dict:
-    """Run lm-eval tasks ``names`` on ``lm``; lm-eval's results dict (``results``, ``configs``...).
-    ``quiet``: lm-eval logs warnings only (between training steps)."""
+) -> dict | None:
+    """Run lm-eval tasks ``names`` on ``lm``; lm-eval's results dict (``results``, ``configs``...) on
+    the process with ``LOCAL_RANK`` 0, None on the others (which run the same forwards: lm-eval
+    aggregates on one process per host). ``quiet``: lm-eval logs warnings only (between training steps)."""
     from lm_eval import simple_evaluate
 
     lm_eval_logger = logging.getLogger("lm_eval")
@@ -161,11 +167,12 @@ def run_tasks(
             lm_eval_logger.setLevel(level)
 
 
-def flat_metrics(results: dict) -> dict[str, float]:
+def flat_metrics(results: dict | None) -> dict[str, float]:
     """``{"eval/<task>/<metric>": value}`` for every finite number of lm-eval's ``results`` (standard
-    errors left out); a metric under a filter other than ``none`` is ``<metric>/<filter>``."""
+    errors left out; none where lm-eval returned None); a metric under a filter other than ``none``
+    is ``<metric>/<filter>``."""
     flat = {}
-    for task, metrics in results.get("results", {}).items():
+    for task, metrics in (results or {}).get("results", {}).items():
         for key, value in metrics.items():
             metric, comma, filt = key.partition(",")  # "acc,none"; "alias", "sample_len" are no metric
             if (
