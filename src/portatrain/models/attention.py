@@ -11,12 +11,21 @@ repeats the heads itself, so results never depend on the backend.
 With a mask (the packing collator's block-diagonal causal mask), k/v heads are repeated explicitly
 (:func:`repeat_kv`): CUDA's fused kernels accept ``enable_gqa`` only without an explicit mask and
 would otherwise fall back to the math kernel, materializing ``S x S`` scores.
+
+The mask may instead be an :data:`AttentionFn`, a callable that computes the attention itself: the
+seam through which context parallelism (``portatrain.parallel.context``) attends a rank's sequence
+shard over the whole row's keys, with no parallel code in the model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``attention(q, k, v) -> out``, given where a mask would go: replaces the causal attention below."""
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -29,14 +38,17 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | AttentionFn | None
 ) -> torch.Tensor:
     """Attention of ``q [B, H, S, D]`` over ``k, v [B, H_kv, S, D]`` (``H`` a multiple of ``H_kv``).
 
     ``attn_mask``: ``None`` for plain causal attention, else a boolean ``[B, 1, S, S]`` mask, ``True``
-    where a query may attend to a key, which must already include causality. Scaled by
-    ``1/sqrt(D)`` (SDPA's default). Returns ``[B, H, S, D]``.
+    where a query may attend to a key, which must already include causality, or an
+    :data:`AttentionFn` that attends itself. Scaled by ``1/sqrt(D)`` (SDPA's default). Returns
+    ``[B, H, S, D]``.
     """
+    if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
+        return attn_mask(q, k, v)
     if attn_mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
     n_rep = q.shape[1] // k.shape[1]

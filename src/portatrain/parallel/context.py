@@ -1,0 +1,243 @@
+"""Context parallelism (``parallel.cp``): each row's positions split over ``cp`` ranks.
+
+What this file does:
+
+* :func:`chunk_order` / :func:`shard_sequence` -- load-balanced causal sharding. A row of ``S``
+  positions is cut into ``2 * cp`` chunks of ``c = S / (2 * cp)``; rank ``r`` holds chunk ``r`` (from
+  the head) and chunk ``2 * cp - 1 - r`` (from the tail). Under a causal mask a query at chunk ``j``
+  attends ``(j + 1) * c`` keys, so every rank's two chunks together attend ``(2 * cp + 1) * c`` keys:
+  the attention work is the same on every rank (a rank holding two adjacent chunks would not be).
+* :class:`ContextParallel` -- what the Trainer holds: cuts a device batch (full-length loader rows)
+  into this rank's shard -- token ids, labels and RoPE positions, which keep their original values --
+  and replaces the document ids by a :class:`ShardedAttention` for the model.
+* :class:`ShardedAttention` -- the attention of this rank's queries over the whole row. It is handed
+  to the model where a mask would go (``attn_mask``); ``portatrain.models.attention`` calls it, so
+  the model holds no context-parallel code. Keys and values are all-gathered over the ``cp`` ranks
+  (one collective per layer forward, its reduce-scatter backward), put back in row order, and each
+  local chunk attends its key prefix through ``F.scaled_dot_product_attention`` with an exact mask:
+  causal by original position, and -- for packed rows -- never across a document boundary, so a
+  document that crosses a shard boundary attends exactly as it does on one rank.
+* :func:`context_problems` -- bad ``parallel.cp`` input, reported before any process group starts.
+* :func:`exchanged_bytes` / :func:`gathered_kv_bytes` -- the analytic traffic and the replicated
+  activations, for the benchmark and the dry run.
+
+Why all-gather and not ring attention. A ring passes k/v chunks around and merges each partial
+result by its softmax log-sum-exp; ``F.scaled_dot_product_attention`` does not return that
+log-sum-exp on every backend (only the CUDA/CPU flash kernels' private aten ops do), so a ring here
+would need backend-specific kernels. The all-gather needs none, takes any mask (document masks
+included), and with grouped-query attention gathers little: k and v are ``2 * n_kv_heads / n_heads``
+of a query's width (1/2 for Llama 3 8B), against activations that are all split ``cp`` ways. Llama 3
+trained at 128k positions this way, for the same reasons (Llama 3 herd paper,
+https://arxiv.org/abs/2407.21783, section 3.3.2). Its cost: ``(cp - 1) / cp`` of every layer's k/v
+crosses the links forward (and the same again as gradients backward), not overlapped with compute,
+and each rank keeps a row's k/v per layer until backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+# Tensors of a batch that are not cut along the sequence: the document ids become the attention.
+_NOT_SHARDED = ("document_ids", "attn_mask")
+
+
+def chunk_order(cp: int) -> list[int]:
+    """Which chunk of the row each gathered chunk is: rank ``r`` contributes ``(r, 2cp-1-r)``.
+
+    ``order[i]`` is the row chunk of the ``i``-th chunk in rank-major gathered order.
+    """
+    return [chunk for rank in range(cp) for chunk in (rank, 2 * cp - 1 - rank)]
+
+
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s two chunks of ``x`` along ``dim`` (head chunk, then tail chunk), concatenated."""
+    c = x.shape[dim] // (2 * cp)
+    head, tail = x.narrow(dim, rank * c, c), x.narrow(dim, (2 * cp - 1 - rank) * c, c)
+    return torch.cat([head, tail], dim=dim)
+
+
+def unshard_sequence(gathered: torch.Tensor, cp: int, dim: int = 0) -> torch.Tensor:
+    """The row back in order from every rank's shard concatenated rank-major along ``dim``."""
+    chunks = gathered.chunk(2 * cp, dim=dim)
+    by_row = sorted(zip(chunk_order(cp), chunks), key=lambda pair: pair[0])
+    return torch.cat([chunk for _, chunk in by_row], dim=dim)
+
+
+class ShardedAttention:
+    """This rank's queries (two chunks) attending the whole row's keys, through SDPA only.
+
+    Called as ``attention(q, k, v)`` with ``q [B, H, 2c, D]`` and ``k, v [B, H_kv, 2c, D]`` of this
+    rank's positions (heads may be this rank's tensor-parallel share); returns ``[B, H, 2c, D]``.
+
+    ``gather`` all-gathers a tensor over the cp ranks along dim 0 with autograd (reduce-scatter in
+    backward); a single-process test passes one that stacks every rank's tensors itself.
+    ``document_ids`` is the full ``[B, S]`` row's (None: one causal sequence per row).
+    """
+
+    def __init__(
+        self,
+        *,
+        seq_len: int,
+        cp: int,
+        rank: int,
+        gather: Callable[[torch.Tensor], torch.Tensor],
+        document_ids: torch.Tensor | None = None,
+    ) -> None:
+        self.cp, self.rank, self.gather = cp, rank, gather
+        self.chunk = seq_len // (2 * cp)
+        self.chunks = (rank, 2 * cp - 1 - rank)
+        self.document_ids = document_ids
+        self._order: torch.Tensor | None = None
+        self._masks: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def masks(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Additive masks of the head and tail chunk over their key prefixes, ``[B | 1, 1, c, (j+1)c]``.
+
+        Built once per step and dtype and shared by every layer: autograd then saves one copy for all
+        of them (a boolean mask would be converted to an additive one by SDPA in every layer, and
+        each copy saved). 0 where a query may attend: an earlier or equal original position, and the
+        same document; ``-inf`` elsewhere. Every query sees itself, so no row is fully masked.
+        """
+        if dtype not in self._masks:
+            c, docs = self.chunk, self.document_ids
+            masks = []
+            for j in self.chunks:
+                query = torch.arange(j * c, (j + 1) * c, device=device)
+                key = torch.arange((j + 1) * c, device=device)
+                allowed = (key[None, :] <= query[:, None])[None, None]  # [1, 1, c, (j+1)c]
+                if docs is not None:
+                    same = docs[:, j * c : (j + 1) * c, None] == docs[:, None, : (j + 1) * c]
+                    allowed = allowed & same[:, None]  # [B, 1, c, (j+1)c]
+                zero = torch.zeros((), dtype=dtype, device=device)
+                masks.append(torch.where(allowed, zero, torch.tensor(float("-inf"), dtype=dtype, device=device)))
+            self._masks[dtype] = (masks[0], masks[1])
+        return self._masks[dtype]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        batch, n_kv, _, head_dim = k.shape
+        c, cp = self.chunk, self.cp
+        # Sequence-major so the gather concatenates positions: [2c, B, 2*H_kv, D], one collective for k and v.
+        local = torch.cat([k, v], dim=1).permute(2, 0, 1, 3).contiguous()
+        gathered = self.gather(local).view(2 * cp, c, batch, 2 * n_kv, head_dim)
+        if self._order is None:  # gathered chunk i is row chunk chunk_order(cp)[i]; invert that
+            order = chunk_order(cp)
+            self._order = torch.tensor([order.index(j) for j in range(2 * cp)], device=k.device)
+        row = gathered.index_select(0, self._order).view(2 * cp * c, batch, 2 * n_kv, head_dim)
+        row = row.permute(1, 2, 0, 3)  # [B, 2*H_kv, S, D], keys in row order
+        keys, values = row[:, :n_kv], row[:, n_kv:]
+        n_rep = q.shape[1] // n_kv
+        # Grouped-query heads: CPU's SDPA kernel reads each k/v head for its query heads even with a
+        # mask (measured: k/v saved unrepeated); CUDA's fused kernels take enable_gqa only without a
+        # mask and would fall back to the math kernel, so elsewhere the heads are repeated.
+        gqa_in_kernel = q.device.type == "cpu"
+        outs = []
+        for i, (j, mask) in enumerate(zip(self.chunks, self.masks(q.dtype, q.device))):
+            end = (j + 1) * c
+            kj, vj = keys[:, :, :end], values[:, :, :end]
+            if not gqa_in_kernel and n_rep > 1:  # query head h reads kv head h // n_rep
+                kj, vj = kj.repeat_interleave(n_rep, dim=1), vj.repeat_interleave(n_rep, dim=1)
+            qi = q[:, :, i * c : (i + 1) * c]
+            outs.append(
+                F.scaled_dot_product_attention(
+                    qi, kj, vj, attn_mask=mask, enable_gqa=gqa_in_kernel and n_rep > 1
+                )
+            )
+        return torch.cat(outs, dim=2)
+
+
+class ContextParallel:
+    """This rank's view of context parallelism: cuts batches, sums losses over the cp ranks.
+
+    ``mesh`` is the ``cp`` sub-mesh (None in a single-process test, which passes ``gather``).
+    """
+
+    def __init__(
+        self,
+        cp: int,
+        rank: int,
+        mesh: DeviceMesh | None = None,
+        *,
+        gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        self.cp, self.rank, self.mesh = cp, rank, mesh
+        if gather is None:
+            if mesh is None:
+                raise ValueError("ContextParallel needs the cp mesh or a gather function")
+            gather = self._all_gather
+        self.gather = gather
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh) -> ContextParallel:
+        return cls(mesh.size(), mesh.get_local_rank(), mesh)
+
+    def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed._functional_collectives as funcol
+
+        # Autograd-aware: the backward reduce-scatters (sums) each rank's k/v gradients to their owner.
+        return funcol.all_gather_tensor_autograd(x, gather_dim=0, group=self.mesh)
+
+    def shard_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's shard of a device batch of full-length ``[B, S]`` rows.
+
+        Every ``[B, S]`` tensor is cut (``positions``, made ``0..S-1`` when absent, keep their
+        original values, so RoPE sees the positions one rank would); ``document_ids`` stay whole
+        inside the returned ``attn_mask``, a :class:`ShardedAttention`.
+        """
+        tokens = batch["input_ids"]
+        seq_len = tokens.shape[1]
+        if seq_len % (2 * self.cp):
+            raise ValueError(f"row length {seq_len} is not a multiple of 2 * parallel.cp = {2 * self.cp}")
+        if "positions" not in batch:
+            positions = torch.arange(seq_len, device=tokens.device).expand(tokens.shape[0], -1)
+            batch = {**batch, "positions": positions}
+        out = {
+            key: shard_sequence(value, self.cp, self.rank)
+            for key, value in batch.items()
+            if key not in _NOT_SHARDED
+        }
+        out["attn_mask"] = ShardedAttention(
+            seq_len=seq_len,
+            cp=self.cp,
+            rank=self.rank,
+            gather=self.gather,
+            document_ids=batch.get("document_ids"),
+        )
+        return out
+
+
+def context_problems(cp: int, tp: int, row_lengths: Sequence[int], row_key: str) -> list[str]:
+    """Row lengths ``parallel.cp`` cannot split: each must be a multiple of ``2 * cp`` (two chunks
+    per rank), times ``tp`` with tensor parallel (sequence parallel then splits a rank's shard)."""
+    unit = 2 * cp * tp
+    uneven = [n for n in row_lengths if n % unit]
+    if not uneven:
+        return []
+    why = f"2 * parallel.cp({cp})" + (f" * parallel.tp({tp})" if tp > 1 else "")
+    return [
+        f"{row_key} has row length(s) {uneven} not divisible by {why} = {unit}: context parallel cuts each "
+        f"row into 2 * cp chunks (one from the head and one from the tail per rank); use multiples of {unit}"
+    ]
+
+
+def exchanged_bytes(
+    *, batch: int, seq_len: int, n_layers: int, kv_dim: int, cp: int, act_bytes: int, recompute: bool = False
+) -> int:
+    """Bytes each rank receives per training step for attention: per layer an all-gather of k and v
+    forward (the other ranks' ``(cp - 1) / cp`` of the row's ``2 * kv_dim`` values) and a
+    reduce-scatter of their gradients backward (the same amount; a ring sends as much as it
+    receives). A block recomputed under activation checkpointing gathers once more."""
+    per_gather = (cp - 1) * batch * (seq_len // cp) * 2 * kv_dim * act_bytes
+    return n_layers * per_gather * (3 if recompute else 2)
+
+
+def gathered_kv_bytes(*, batch: int, seq_len: int, n_layers: int, kv_dim: int, act_bytes: int) -> int:
+    """Activations context parallel adds per rank: every layer keeps the whole row's k and v for
+    backward (replicated over the cp ranks)."""
+    return n_layers * batch * seq_len * 2 * kv_dim * act_bytes

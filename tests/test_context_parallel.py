@@ -1,0 +1,110 @@
+"""Context parallelism (``parallel.cp``): the sharding and attention math in one process, bad input,
+and -- slow tier, under torchrun -- losses and gradients against one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from portatrain.data.collate import document_causal_mask
+from portatrain.models.attention import causal_attention
+from portatrain.parallel.context import (
+    ContextParallel,
+    ShardedAttention,
+    chunk_order,
+    context_problems,
+    shard_sequence,
+    unshard_sequence,
+)
+from portatrain.parallel.parallel_dims import layout_problems
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_shards_are_head_and_tail_chunks_and_reassemble(cp):
+    row = torch.arange(2 * 8 * cp).view(2, -1)
+    shards = [shard_sequence(row, cp, rank) for rank in range(cp)]
+    c = row.shape[1] // (2 * cp)
+    for rank, shard in enumerate(shards):
+        assert shard[0, :c].tolist() == list(range(rank * c, (rank + 1) * c))
+        tail = 2 * cp - 1 - rank
+        assert shard[0, c:].tolist() == list(range(tail * c, (tail + 1) * c))
+    assert torch.equal(unshard_sequence(torch.cat(shards, dim=1), cp, dim=1), row)
+    # Causal work is balanced: every rank's two chunks attend (2cp + 1) * c keys in all.
+    assert {sum(j + 1 for j in chunk_order(cp)[2 * r : 2 * r + 2]) for r in range(cp)} == {2 * cp + 1}
+
+
+def _emulated_ranks(q, k, v, cp, document_ids):
+    """Every cp rank's ShardedAttention output, in one process: each rank's gather returns what the
+    all-gather would, built from the full (leaf) k and v so gradients reach them."""
+
+    def local(rank):
+        ks, vs = shard_sequence(k, cp, rank, dim=2), shard_sequence(v, cp, rank, dim=2)
+        return torch.cat([ks, vs], dim=1).permute(2, 0, 1, 3)
+
+    outs = []
+    for rank in range(cp):
+        attention = ShardedAttention(
+            seq_len=q.shape[2],
+            cp=cp,
+            rank=rank,
+            gather=lambda x: torch.cat([local(r) for r in range(cp)]),
+            document_ids=document_ids,
+        )
+        outs.append(
+            attention(shard_sequence(q, cp, rank, 2), shard_sequence(k, cp, rank, 2), shard_sequence(v, cp, rank, 2))
+        )
+    return unshard_sequence(torch.cat(outs, dim=2), cp, dim=2)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("documents", [False, True])
+def test_sharded_attention_matches_full_attention_and_its_gradients(cp, documents):
+    torch.manual_seed(0)
+    batch, heads, kv_heads, seq, dim = 2, 4, 2, 16 * cp, 8  # grouped-query: 2 query heads per kv head
+    q = torch.randn(batch, heads, seq, dim, requires_grad=True)
+    k = torch.randn(batch, kv_heads, seq, dim, requires_grad=True)
+    v = torch.randn(batch, kv_heads, seq, dim, requires_grad=True)
+    document_ids = None
+    if documents:  # documents cross the shard boundaries; the padded tail is a document of its own
+        document_ids = torch.tensor([[0] * 5 + [1] * (seq - 9) + [2] * 4, [0] * (seq // 2 + 3) + [1] * (seq // 2 - 3)])
+    mask = None if document_ids is None else document_causal_mask(document_ids)
+    reference = causal_attention(q, k, v, mask)
+    weights = torch.randn_like(reference)
+    grads = torch.autograd.grad((reference * weights).sum(), (q, k, v))
+
+    sharded = _emulated_ranks(q, k, v, cp, document_ids)
+    torch.testing.assert_close(sharded, reference, atol=1e-5, rtol=1e-5)
+    for got, want in zip(torch.autograd.grad((sharded * weights).sum(), (q, k, v)), grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_shard_batch_keeps_original_positions_and_carries_document_ids():
+    cp, seq = 2, 8
+    batch = {
+        "input_ids": torch.arange(seq)[None],
+        "labels": torch.arange(1, seq + 1)[None],
+        "positions": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]),
+        "document_ids": torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]], dtype=torch.int32),
+    }
+    shard = ContextParallel(cp, 1, gather=lambda x: x).shard_batch(batch)
+    assert shard["input_ids"].tolist() == [[2, 3, 4, 5]]  # chunks 1 and 2 of 4
+    assert shard["positions"].tolist() == [[2, 0, 1, 2]]
+    assert "document_ids" not in shard and isinstance(shard["attn_mask"], ShardedAttention)
+    assert torch.equal(shard["attn_mask"].document_ids, batch["document_ids"])  # the whole row's
+    unpacked = ContextParallel(cp, 0, gather=lambda x: x).shard_batch({"input_ids": torch.zeros(1, seq)})
+    assert unpacked["positions"].tolist() == [[0, 1, 6, 7]]  # 0..S-1 when the batch has none
+
+
+def test_bad_context_parallel_input_is_one_line_each():
+    (uneven,) = context_problems(4, 1, [64, 100], "data.buckets")
+    assert "[100]" in uneven and "2 * parallel.cp(4) = 8" in uneven and "multiples of 8" in uneven
+    (with_tp,) = context_problems(2, 2, [36], "data.seq_len")
+    assert "2 * parallel.cp(2) * parallel.tp(2) = 8" in with_tp
+    assert context_problems(2, 2, [64], "data.seq_len") == []
+    (world,) = layout_problems(dp_replicate=1, dp_shard=2, tp=1, world_size=2, cp=2)
+    assert "dp_shard(2) * cp(2) * tp(1) = 4 != world size 2" in world and "parallel.dp_shard=1" in world
+    (inferred,) = layout_problems(dp_replicate=1, dp_shard=-1, tp=1, world_size=6, cp=4)
+    assert "cp(4)" in inferred and "does not divide world size 6" in inferred
+    assert layout_problems(dp_replicate=1, dp_shard=-1, tp=1, world_size=8, cp=4) == []
+    assert any("ep=2 with parallel.cp=2" in p for p in layout_problems(1, 2, 1, 4, 2, cp=2))
+
