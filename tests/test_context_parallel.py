@@ -51,7 +51,9 @@ def _emulated_ranks(q, k, v, cp, document_ids):
             document_ids=document_ids,
         )
         outs.append(
-            attention(shard_sequence(q, cp, rank, 2), shard_sequence(k, cp, rank, 2), shard_sequence(v, cp, rank, 2))
+            attention(
+                shard_sequence(q, cp, rank, 2), shard_sequence(k, cp, rank, 2), shard_sequence(v, cp, rank, 2)
+            )
         )
     return unshard_sequence(torch.cat(outs, dim=2), cp, dim=2)
 
@@ -66,7 +68,9 @@ def test_sharded_attention_matches_full_attention_and_its_gradients(cp, document
     v = torch.randn(batch, kv_heads, seq, dim, requires_grad=True)
     document_ids = None
     if documents:  # documents cross the shard boundaries; the padded tail is a document of its own
-        document_ids = torch.tensor([[0] * 5 + [1] * (seq - 9) + [2] * 4, [0] * (seq // 2 + 3) + [1] * (seq // 2 - 3)])
+        document_ids = torch.tensor(
+            [[0] * 5 + [1] * (seq - 9) + [2] * 4, [0] * (seq // 2 + 3) + [1] * (seq // 2 - 3)]
+        )
     mask = None if document_ids is None else document_causal_mask(document_ids)
     reference = causal_attention(q, k, v, mask)
     weights = torch.randn_like(reference)
@@ -108,3 +112,123 @@ def test_bad_context_parallel_input_is_one_line_each():
     assert layout_problems(dp_replicate=1, dp_shard=-1, tp=1, world_size=8, cp=4) == []
     assert any("ep=2 with parallel.cp=2" in p for p in layout_problems(1, 2, 1, 4, 2, cp=2))
 
+
+# -- slow tier: every family, with and without document masks, against one process -------------
+# One spawn of 4 ranks runs every case (process-group start-up is the expensive part); each rank
+# computes the one-process reference on the full batch itself, so a case needs no second launch.
+ROWS, SEQ = 2, 32
+PARITY_CASES = [
+    # (family, cp, tp, documents): dp_shard = 4 / (cp * tp); the debug flavours are grouped-query
+    # (2 query heads per kv head).
+    ("llama3", 4, 1, True),
+    ("llama3", 2, 1, False),
+    ("llama3", 2, 2, True),
+    ("qwen3", 2, 1, True),
+    ("olmo2", 4, 1, True),
+    ("qwen3_moe", 2, 1, True),
+]
+
+
+def _batch(vocab: int, documents: bool) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, vocab, (ROWS, SEQ + 1), generator=gen)
+    batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:].clone()}
+    if documents:  # boundaries inside chunks and on chunk edges; a -100 padded tail is one more
+        lengths = [[5, 11, 9, 7], [16, 16]]
+        ids = [sum(([d] * n for d, n in enumerate(row)), []) for row in lengths]
+        batch["document_ids"] = torch.tensor(ids, dtype=torch.int32)
+        batch["positions"] = torch.tensor([sum((list(range(n)) for n in row), []) for row in lengths])
+        batch["labels"][0, -7:] = -100
+    return batch
+
+
+def _loss_and_grads(model, batch, total_tokens: int):
+    from portatrain.losses import cross_entropy_sum
+
+    positions, mask = batch.get("positions"), batch.get("attn_mask")
+    loss = cross_entropy_sum(model(batch["input_ids"], positions=positions, attn_mask=mask), batch["labels"])
+    (loss / total_tokens).backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+        grads[name.replace("_checkpoint_wrapped_module.", "")] = grad
+    return loss.detach() / total_tokens, grads
+
+
+def _build(family: str, dims=None):
+    from dataclasses import replace
+
+    from portatrain.models import get_spec
+    from portatrain.models.common.moe import configure_moe
+    from portatrain.parallel.utils import full_tensor_init, token_all_reduce
+
+    spec = get_spec(family)
+    args = replace(spec.flavors["debug"], n_layers=2, max_seq_len=64)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    reduce = None if dims is None else (lambda t: token_all_reduce(t, dims))
+    configure_moe(model, dispatch="dropless", capacity_factor=1.25, aux_loss_scale=1.0, reduce_stats=reduce)
+    if dims is not None:
+        spec.parallelize(model, dims, param_dtype=torch.float32, reduce_dtype=torch.float32)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad(), full_tensor_init():
+        model.init_weights()
+    return model, args
+
+
+def _parity_worker(rank: int, world: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from portatrain.data.collate import with_attention_mask
+    from portatrain.parallel import ParallelDims
+    from portatrain.parallel.utils import token_all_reduce
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    errors = []
+    try:
+        for family, cp, tp, documents in PARITY_CASES:
+            dims = ParallelDims(dp_replicate=1, dp_shard=-1, tp=tp, world_size=world, cp=cp)
+            dims.build_mesh("cpu")
+            reference, args = _build(family)
+            full = _batch(args.vocab_size, documents)
+            total = int((full["labels"] != -100).sum())
+            want_loss, want = _loss_and_grads(reference, with_attention_mask(full), total)
+
+            model, _ = _build(family, dims)
+            rows = slice(dims.dp_rank * ROWS // dims.dp, (dims.dp_rank + 1) * ROWS // dims.dp)
+            shard = ContextParallel.from_mesh(dims.cp_mesh).shard_batch({k: v[rows] for k, v in full.items()})
+            loss, got = _loss_and_grads(model, shard, total)
+            loss = token_all_reduce(loss, dims)
+            case = f"{family} cp={cp} tp={tp} documents={documents}"
+            if not torch.allclose(loss, want_loss, rtol=1e-5, atol=1e-6):
+                errors.append(f"{case}: loss {loss.item()} != {want_loss.item()}")
+            for name, grad in want.items():
+                if not torch.allclose(got[name], grad, rtol=1e-5, atol=1e-6):
+                    diff = (got[name] - grad).abs().max().item()
+                    errors.append(f"{case}: gradient of {name} differs by {diff:.2e}")
+        if rank == 0:
+            torch.save(errors, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_context_parallel_matches_one_process_for_every_family(tmp_path):
+    """Loss and every parameter's gradient under cp=2 (with FSDP2 over dp_shard x cp, and with TP)
+    and cp=4 equal one process's on the same global batch, to fp32 rounding."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "errors.pt"
+    mp.start_processes(_parity_worker, args=(4, port, str(out)), nprocs=4, join=True, start_method="spawn")
+    assert torch.load(out, weights_only=True) == []

@@ -116,7 +116,9 @@ class ShardedAttention:
                     same = docs[:, j * c : (j + 1) * c, None] == docs[:, None, : (j + 1) * c]
                     allowed = allowed & same[:, None]  # [B, 1, c, (j+1)c]
                 zero = torch.zeros((), dtype=dtype, device=device)
-                masks.append(torch.where(allowed, zero, torch.tensor(float("-inf"), dtype=dtype, device=device)))
+                masks.append(
+                    torch.where(allowed, zero, torch.tensor(float("-inf"), dtype=dtype, device=device))
+                )
             self._masks[dtype] = (masks[0], masks[1])
         return self._masks[dtype]
 
@@ -181,7 +183,7 @@ class ContextParallel:
         import torch.distributed._functional_collectives as funcol
 
         # Autograd-aware: the backward reduce-scatters (sums) each rank's k/v gradients to their owner.
-        return funcol.all_gather_tensor_autograd(x, gather_dim=0, group=self.mesh)
+        return funcol.all_gather_single_autograd(x, 0, group=self.mesh)
 
     def shard_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's shard of a device batch of full-length ``[B, S]`` rows.
