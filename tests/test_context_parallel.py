@@ -232,3 +232,23 @@ def test_context_parallel_matches_one_process_for_every_family(tmp_path):
     out = tmp_path / "errors.pt"
     mp.start_processes(_parity_worker, args=(4, port, str(out)), nprocs=4, join=True, start_method="spawn")
     assert torch.load(out, weights_only=True) == []
+
+
+@pytest.mark.slow
+def test_cli_cp2_matches_one_process_and_resumes_at_cp1(tmp_path):
+    """``portatrain parallel.cp=2`` on 2 processes (packed rows with document masks, the default
+    collator) logs one process's losses; its step-2 checkpoint resumes on one process at cp=1 and
+    the next steps' losses match the uninterrupted run's."""
+    from tests.helpers import ROOT, TINY, fit, step_losses, torchrun
+
+    run = [*TINY, "checkpoint.every=2"]
+    fit(["checkpoint.every=2"], tmp_path / "one")
+    want = step_losses(tmp_path / "one")
+    done = torchrun(2, [*run, "parallel.cp=2", f"run_dir={tmp_path / 'cp2'}"], cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = step_losses(tmp_path / "cp2")
+    assert got == pytest.approx(want, rel=1e-5), (got, want)
+    resumed = tmp_path / "resumed"
+    fit([f"checkpoint.resume={tmp_path / 'cp2' / 'checkpoints' / 'step_0000002'}"], resumed)
+    after = step_losses(resumed)
+    assert sorted(after) == [3, 4] and after == pytest.approx({s: want[s] for s in (3, 4)}, rel=1e-5)
