@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -95,34 +96,42 @@ class ShardedAttention:
         self.chunks = (rank, 2 * cp - 1 - rank)
         self.document_ids = document_ids
         self._order: torch.Tensor | None = None
-        self._masks: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def masks(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Additive masks of the head and tail chunk over their key prefixes, ``[B | 1, 1, c, (j+1)c]``.
-
-        Built once per step and dtype and shared by every layer: autograd then saves one copy for all
-        of them (a boolean mask would be converted to an additive one by SDPA in every layer, and
-        each copy saved). 0 where a query may attend: an earlier or equal original position, and the
-        same document; ``-inf`` elsewhere. Every query sees itself, so no row is fully masked.
-        """
-        if dtype not in self._masks:
-            c, docs = self.chunk, self.document_ids
-            masks = []
-            for j in self.chunks:
-                query = torch.arange(j * c, (j + 1) * c, device=device)
-                key = torch.arange((j + 1) * c, device=device)
-                allowed = (key[None, :] <= query[:, None])[None, None]  # [1, 1, c, (j+1)c]
-                if docs is not None:
-                    same = docs[:, j * c : (j + 1) * c, None] == docs[:, None, : (j + 1) * c]
-                    allowed = allowed & same[:, None]  # [B, 1, c, (j+1)c]
-                zero = torch.zeros((), dtype=dtype, device=device)
-                masks.append(
-                    torch.where(allowed, zero, torch.tensor(float("-inf"), dtype=dtype, device=device))
-                )
-            self._masks[dtype] = (masks[0], masks[1])
-        return self._masks[dtype]
+        self._masks: dict[tuple[torch.dtype, int], torch.Tensor] = {}
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self._gather_row(k, v)
+        c, n_rep = self.chunk, q.shape[1] // k.shape[1]
+        # Grouped-query heads: CPU's SDPA kernel reads each k/v head for its query heads even with a
+        # mask (measured: k/v saved unrepeated); CUDA's fused kernels take enable_gqa only without a
+        # mask and would fall back to the math kernel, so elsewhere the heads are repeated.
+        cpu = q.device.type == "cpu"
+        outs = []
+        for i, j in enumerate(self.chunks):
+            end = (j + 1) * c  # a query in row chunk j attends keys [0, end)
+            qi, kj, vj = q[:, :, i * c : (i + 1) * c], keys[:, :, :end], values[:, :, :end]
+            if not cpu and n_rep > 1:  # query head h reads kv head h // n_rep
+                kj, vj = kj.repeat_interleave(n_rep, dim=1), vj.repeat_interleave(n_rep, dim=1)
+            gqa = cpu and n_rep > 1
+            if self.document_ids is not None:
+                mask = self._document_mask(i, q.dtype, q.device)
+                out = F.scaled_dot_product_attention(qi, kj, vj, attn_mask=mask, enable_gqa=gqa)
+            elif cpu:
+                # Queries in reverse order see a Toeplitz mask (a function of query + key index):
+                # a strided view of one vector, so no [c, end] mask exists, in forward or saved.
+                mask = self._causal_view(end, q.dtype, q.device)
+                out = F.scaled_dot_product_attention(qi.flip(2), kj, vj, attn_mask=mask, enable_gqa=gqa).flip(
+                    2
+                )
+            else:
+                # The queries are the last c of the end keys' positions: bottom-right causal, which
+                # CUDA's fused kernels apply without a mask tensor.
+                mask = causal_lower_right(c, end)
+                out = F.scaled_dot_product_attention(qi, kj, vj, attn_mask=mask)
+            outs.append(out)
+        return torch.cat(outs, dim=2)
+
+    def _gather_row(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's k and v, in row order: two ``[B, H_kv, S, D]`` views of one gathered tensor."""
         batch, n_kv, _, head_dim = k.shape
         c, cp = self.chunk, self.cp
         # Sequence-major so the gather concatenates positions: [2c, B, 2*H_kv, D], one collective for k and v.
@@ -132,26 +141,39 @@ class ShardedAttention:
             order = chunk_order(cp)
             self._order = torch.tensor([order.index(j) for j in range(2 * cp)], device=k.device)
         row = gathered.index_select(0, self._order).view(2 * cp * c, batch, 2 * n_kv, head_dim)
-        row = row.permute(1, 2, 0, 3)  # [B, 2*H_kv, S, D], keys in row order
-        keys, values = row[:, :n_kv], row[:, n_kv:]
-        n_rep = q.shape[1] // n_kv
-        # Grouped-query heads: CPU's SDPA kernel reads each k/v head for its query heads even with a
-        # mask (measured: k/v saved unrepeated); CUDA's fused kernels take enable_gqa only without a
-        # mask and would fall back to the math kernel, so elsewhere the heads are repeated.
-        gqa_in_kernel = q.device.type == "cpu"
-        outs = []
-        for i, (j, mask) in enumerate(zip(self.chunks, self.masks(q.dtype, q.device))):
-            end = (j + 1) * c
-            kj, vj = keys[:, :, :end], values[:, :, :end]
-            if not gqa_in_kernel and n_rep > 1:  # query head h reads kv head h // n_rep
-                kj, vj = kj.repeat_interleave(n_rep, dim=1), vj.repeat_interleave(n_rep, dim=1)
-            qi = q[:, :, i * c : (i + 1) * c]
-            outs.append(
-                F.scaled_dot_product_attention(
-                    qi, kj, vj, attn_mask=mask, enable_gqa=gqa_in_kernel and n_rep > 1
-                )
-            )
-        return torch.cat(outs, dim=2)
+        row = row.permute(1, 2, 0, 3)  # [B, 2*H_kv, S, D]
+        return row[:, :n_kv], row[:, n_kv:]
+
+    def _document_mask(self, i: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Additive mask ``[B, 1, c, (j+1)c]`` of local chunk ``i`` (row chunk ``j``) over its key prefix:
+        0 where the key is at an earlier or equal position of the same document, ``-inf`` elsewhere
+        (every query sees itself, so no row is fully masked).
+
+        Built once per step and shared by every layer, so autograd saves one copy for all of them (a
+        boolean mask would be converted by SDPA in every layer, and each copy saved).
+        """
+        if (dtype, i) not in self._masks:
+            c, j, docs = self.chunk, self.chunks[i], self.document_ids
+            query = torch.arange(j * c, (j + 1) * c, device=device)
+            causal = torch.arange((j + 1) * c, device=device)[None, :] <= query[:, None]
+            same = docs[:, j * c : (j + 1) * c, None] == docs[:, None, : (j + 1) * c]
+            self._masks[dtype, i] = _additive((causal & same)[:, None], dtype)
+        return self._masks[dtype, i]
+
+    def _causal_view(self, end: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``[c, end]`` causal mask for the chunk's queries in reverse order, as a view of ``c + end - 1``
+        values: reversed query ``r`` (position ``end - 1 - r``) may see key ``t`` iff ``r + t <= end - 1``."""
+        if (dtype, end) not in self._masks:
+            allowed = torch.arange(self.chunk + end - 1, device=device) <= end - 1
+            self._masks[dtype, end] = _additive(allowed, dtype)
+        return self._masks[dtype, end].as_strided((self.chunk, end), (1, 1))
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``allowed``, ``-inf`` elsewhere, in ``dtype`` (SDPA adds it to the scores)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf")
+    )
 
 
 class ContextParallel:

@@ -184,8 +184,9 @@ class ParallelDims:
         """The mesh FSDP2 shards over: ``dp_shard`` (``dp_shard_cp`` with context parallel), or
         ``(dp_replicate, dp_shard[_cp])`` for HSDP."""
         mesh = self._require_mesh()
-        shard = "dp_shard_cp" if self.cp_enabled else "dp_shard"
-        return mesh["dp_replicate", shard] if self.dp_replicate_enabled else mesh[shard]
+        if not self.cp_enabled:
+            return mesh["dp_replicate", "dp_shard"] if self.dp_replicate_enabled else mesh["dp_shard"]
+        return mesh["dp_replicate", "dp_shard_cp"] if self.dp_replicate_enabled else self._dp_shard_cp_mesh
 
     @property
     def cp_mesh(self) -> DeviceMesh:
