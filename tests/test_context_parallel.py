@@ -60,7 +60,12 @@ def _emulated_ranks(q, k, v, cp, document_ids):
 
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("documents", [False, True])
-def test_sharded_attention_matches_full_attention_and_its_gradients(cp, documents):
+@pytest.mark.parametrize("kernel", ["cpu", "fused"])
+def test_sharded_attention_matches_full_attention_and_its_gradients(cp, documents, kernel, monkeypatch):
+    """Every cp rank's attention, put back in row order, is one process's, gradients included; both
+    the CPU path and, forced on CPU, the path taken elsewhere (repeated heads, causal_lower_right)."""
+    if kernel == "fused":
+        monkeypatch.setattr("portatrain.parallel.context.cpu_flash_kernel", lambda device: False)
     torch.manual_seed(0)
     batch, heads, kv_heads, seq, dim = 2, 4, 2, 16 * cp, 8  # grouped-query: 2 query heads per kv head
     q = torch.randn(batch, heads, seq, dim, requires_grad=True)

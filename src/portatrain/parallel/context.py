@@ -101,10 +101,7 @@ class ShardedAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = self._gather_row(k, v)
         c, n_rep = self.chunk, q.shape[1] // k.shape[1]
-        # Grouped-query heads: CPU's SDPA kernel reads each k/v head for its query heads even with a
-        # mask (measured: k/v saved unrepeated); CUDA's fused kernels take enable_gqa only without a
-        # mask and would fall back to the math kernel, so elsewhere the heads are repeated.
-        cpu = q.device.type == "cpu"
+        cpu = cpu_flash_kernel(q.device)
         outs = []
         for i, j in enumerate(self.chunks):
             end = (j + 1) * c  # a query in row chunk j attends keys [0, end)
@@ -167,6 +164,14 @@ class ShardedAttention:
             allowed = torch.arange(self.chunk + end - 1, device=device) <= end - 1
             self._masks[dtype, end] = _additive(allowed, dtype)
         return self._masks[dtype, end].as_strided((self.chunk, end), (1, 1))
+
+
+def cpu_flash_kernel(device: torch.device) -> bool:
+    """Whether SDPA runs CPU's flash kernel, which (measured, torch 2.13) reads grouped-query k/v heads
+    under a mask tensor without repeating them, and reads a strided mask without copying it (saving
+    the view). CUDA's fused kernels take ``enable_gqa`` only without a mask (with one they fall back
+    to the math kernel), so elsewhere k/v heads are repeated under a mask."""
+    return device.type == "cpu"
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
