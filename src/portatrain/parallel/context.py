@@ -266,7 +266,30 @@ def exchanged_bytes(
     return n_layers * per_gather * (3 if recompute else 2)
 
 
-def gathered_kv_bytes(*, batch: int, seq_len: int, n_layers: int, kv_dim: int, act_bytes: int) -> int:
-    """Activations context parallel adds per rank: every layer keeps the whole row's k and v for
-    backward (replicated over the cp ranks)."""
-    return n_layers * batch * seq_len * 2 * kv_dim * act_bytes
+def context_activation_bytes(
+    *,
+    batch: int,
+    seq_len: int,
+    cp: int,
+    n_layers: int,
+    q_dim: int,
+    kv_dim: int,
+    act_bytes: int,
+    repeated: bool,
+    documents: bool,
+    activation_checkpointing: str,
+) -> int:
+    """Activation bytes per rank context parallel adds to a ``seq_len / cp`` row's (for the dry run).
+
+    Each layer keeps the whole row's k and v for backward instead of its own ``2c`` positions'
+    (``c = seq_len / (2 cp)``): ``2 * S * kv_dim`` gathered, or -- where the kernel needs the heads
+    repeated (``repeated``, off CPU) -- the two chunks' key prefixes, ``2 * (S + c) * q_dim``. Under
+    full activation checkpointing only the block being recomputed holds them. Packed documents add
+    the two chunks' additive masks, ``c * (S + c)`` values, shared by the layers.
+    """
+    c = seq_len // (2 * cp)
+    held = (seq_len + c) * 2 * q_dim if repeated else seq_len * 2 * kv_dim
+    held -= 2 * c * 2 * kv_dim  # its own k and v, already in the 1/cp share
+    layers = 1 if activation_checkpointing == "full" else n_layers
+    masks = c * (seq_len + c) if documents else 0
+    return batch * (layers * held + masks) * act_bytes
