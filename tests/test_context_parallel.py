@@ -257,3 +257,23 @@ def test_cli_cp2_matches_one_process_and_resumes_at_cp1(tmp_path):
     fit([f"checkpoint.resume={tmp_path / 'cp2' / 'checkpoints' / 'step_0000002'}"], resumed)
     after = step_losses(resumed)
     assert sorted(after) == [3, 4] and after == pytest.approx({s: want[s] for s in (3, 4)}, rel=1e-5)
+
+
+def test_config_validation_reports_context_parallel_problems(monkeypatch):
+    from portatrain.validate import config_problems
+    from tests.helpers import TINY, compose_config
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    problems = config_problems(
+        compose_config([*TINY, "parallel.cp=4", "data.seq_len=68", "parallel.dp_shard=2"])
+    )
+    assert any(
+        "data.seq_len has row length(s) [68] not divisible by 2 * parallel.cp(4) = 8" in p for p in problems
+    )
+    assert any(
+        "dp_shard(2) * cp(4) * tp(1) = 8 != world size 4; set parallel.dp_shard=1" in p for p in problems
+    )
+    buckets = compose_config([*TINY, "parallel.cp=2", "data.collator=bucket", "data.buckets=[32,62]"])
+    (bucket,) = config_problems(buckets)
+    assert "data.buckets has row length(s) [62] not divisible by 2 * parallel.cp(2) = 4" in bucket
+    assert config_problems(compose_config([*TINY, "parallel.cp=4"])) == []  # dp_shard=-1 takes 1
