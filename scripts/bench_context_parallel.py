@@ -82,7 +82,10 @@ def _worker(rank: int, cp: int, port: int, seq: int, repeats: int, out: str) -> 
     def forward() -> torch.Tensor:
         loss_fn = chunked_loss_fn(batch["labels"], 1024)
         return model(
-            batch["input_ids"], positions=batch["positions"], attn_mask=batch.get("attn_mask"), output_fn=loss_fn
+            batch["input_ids"],
+            positions=batch["positions"],
+            attn_mask=batch.get("attn_mask"),
+            output_fn=loss_fn,
         )
 
     def step() -> None:
@@ -120,7 +123,9 @@ def run(cp: int, seq: int, repeats: int) -> dict:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.pt")
-        mp.start_processes(_worker, args=(cp, port, seq, repeats, out), nprocs=cp, join=True, start_method="spawn")
+        mp.start_processes(
+            _worker, args=(cp, port, seq, repeats, out), nprocs=cp, join=True, start_method="spawn"
+        )
         return torch.load(out, weights_only=True)
 
 
@@ -143,7 +148,9 @@ def main() -> None:
     for cp in opts.cp:
         result = run(cp, opts.seq, opts.repeats)
         base = base or result
-        analytic = exchanged_bytes(batch=1, seq_len=opts.seq, n_layers=ARGS.n_layers, kv_dim=kv_dim, cp=cp, act_bytes=4)
+        analytic = exchanged_bytes(
+            batch=1, seq_len=opts.seq, n_layers=ARGS.n_layers, kv_dim=kv_dim, cp=cp, act_bytes=4
+        )
         print(
             f"{cp:>3} {result['activations'] / 1e6:>15.1f} {result['activations'] / base['activations']:>8.3f} "
             f"{result['step']:>8.2f} {cp * result['step'] / base['step']:>20.2f} "
