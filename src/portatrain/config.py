@@ -269,6 +269,10 @@ class ParallelConfig:
     """Expert-parallel degree: a mixture of experts' experts are split over ``ep`` of the ``dp_shard``
     ranks (which must be a multiple of it), tokens reach them by all-to-all, and FSDP2 shards each
     rank's experts over the other ``dp_shard / ep`` (``portatrain.parallel.expert``)."""
+    cp: int = 1
+    """Context-parallel degree: each row's positions are split over ``cp`` ranks, each holding one
+    chunk from the head and one from the tail of the row (rows must be multiples of ``2 * cp``);
+    keys and values are all-gathered for attention (``portatrain.parallel.context``)."""
     activation_checkpointing: str = "none"
     """``none``, ``full`` or ``selective``."""
     param_dtype: str | None = None

@@ -28,7 +28,9 @@ Hooks (override in a subclass; each has one job):
 Hooks that take a ``batch`` get it on the device. For packed rows (``data.packing_attention=document``)
 the loader sends ``document_ids`` and the Trainer adds ``attn_mask``, built on the device
 (``portatrain.data.collate.with_attention_mask``), so ``self.model(batch["input_ids"],
-positions=batch.get("positions"), attn_mask=batch.get("attn_mask"))`` works in every hook.
+positions=batch.get("positions"), attn_mask=batch.get("attn_mask"))`` works in every hook. With
+``parallel.cp > 1`` the batch is already this rank's shard of the rows (``portatrain.parallel.context``)
+and ``attn_mask`` the callable that attends it over the whole row.
 
 Everything else (data, optimizer, schedule, metrics, checkpoints) is built from the config by
 the stages it names, one ``_setup_*`` step each; a subclass changes behaviour by overriding a hook,
@@ -105,7 +107,9 @@ from portatrain.parallel import (
     dp_all_reduce,
     full_tensor_init,
     parallelize_model,
+    token_all_reduce,
 )
+from portatrain.parallel.context import ContextParallel
 from portatrain.profiling import StepProfiler
 from portatrain.redact import redacted_yaml
 from portatrain.rundir import (
@@ -170,6 +174,9 @@ class Trainer:
         )
         self.parallel_dims.build_mesh(self.accelerator.device_type)
         self.dp_rank, self.dp_world_size = self.parallel_dims.dp_rank, self.parallel_dims.dp
+        # parallel.cp > 1: full-length rows from the loader, cut into this rank's shard on the device.
+        dims = self.parallel_dims
+        self.context_parallel = ContextParallel.from_mesh(dims.cp_mesh) if dims.cp_enabled else None
 
     def _setup_run_dir(self) -> None:
         """Before anything is built or written: take the run directory (exclusive, and writable), find
@@ -222,8 +229,8 @@ class Trainer:
             dispatch=moe_dispatch(cfg.model, static_shapes=self.accelerator.static_shapes),
             capacity_factor=cfg.model.capacity_factor,
             aux_loss_scale=1.0 / cfg.trainer.grad_accum,
-            reduce_stats=partial(dp_all_reduce, parallel_dims=self.parallel_dims)
-            if self.dp_world_size > 1
+            reduce_stats=partial(token_all_reduce, parallel_dims=self.parallel_dims)
+            if self.dp_world_size > 1 or self.context_parallel is not None
             else None,
         )
         # Routers balanced by a bias moved after each optimizer step (DeepSeek-V3), if any.
@@ -391,7 +398,8 @@ class Trainer:
             loss_sum += self.forward_loss(batch)
             count += int((batch["labels"] != -100).sum())
         self.model.train()
-        loss_sum, count = self._all_reduce_sum(loss_sum), self._all_reduce_sum(torch.tensor(float(count)))
+        loss_sum = token_all_reduce(loss_sum, self.parallel_dims)
+        count = token_all_reduce(torch.tensor(float(count), device=self.device), self.parallel_dims)
         return {"eval_loss": (loss_sum / count.clamp(min=1)).item()}
 
     def warmup(self) -> list[dict[str, Any]]:
@@ -572,7 +580,7 @@ class Trainer:
         last = {
             "step": self.step,
             # Each rank's loss is its token sum over the GLOBAL token count: sum, not mean.
-            "loss": float(self._all_reduce_sum(metrics["loss"])),
+            "loss": float(token_all_reduce(metrics["loss"], self.parallel_dims)),
             "grad_norm": float(metrics["grad_norm"]),
             "lr": self.lr_scheduler.get_last_lr()[0],
             "tokens_seen": self.tokens_seen,
@@ -730,7 +738,11 @@ class Trainer:
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # Packed rows come with document ids; their [B, 1, S, S] mask is built here, on the device.
-        return with_attention_mask({k: v.to(self.device, non_blocking=True) for k, v in batch.items()})
+        # With context parallel, this rank's shard of the rows instead, and its attention.
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        if self.context_parallel is not None:
+            return self.context_parallel.shard_batch(batch)
+        return with_attention_mask(batch)
 
     def _all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel ranks (tp ranks of one dp group hold the same value)."""

@@ -20,7 +20,7 @@ from torch import nn
 from portatrain.config import ParallelConfig
 from portatrain.dtypes import dtype_from_name
 from portatrain.parallel.parallel_dims import ParallelDims, expected_world_size
-from portatrain.parallel.utils import clip_grad_norm_, dp_all_reduce, full_tensor_init
+from portatrain.parallel.utils import clip_grad_norm_, dp_all_reduce, full_tensor_init, token_all_reduce
 
 __all__ = [
     "ParallelDims",
@@ -29,6 +29,7 @@ __all__ = [
     "expected_world_size",
     "full_tensor_init",
     "parallelize_model",
+    "token_all_reduce",
 ]
 
 
