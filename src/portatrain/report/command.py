@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from portatrain.config import Config, ReportConfig
 from portatrain.errors import UserError
+from portatrain.report.coverage import device_plan, findings_by_rule, op_coverage
 from portatrain.report.evidence import (
     Evidence,
     bench_run,
@@ -113,6 +114,9 @@ def build_report(
         "items": [asdict(i) for i in items],
         "commands": asdict(commands),
         "evidence_files": evidence_files,
+        "op_coverage": op_coverage(runtime),
+        "findings_by_rule": findings_by_rule(static),
+        "device_plan": device_plan(cfg),
         "static": static,
         "runtime": {k: v for k, v in runtime.items() if k != "first_stacks"},
         "parity": {k: v for k, v in parity.items() if k != "text"},

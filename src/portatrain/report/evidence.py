@@ -215,6 +215,9 @@ def parity_run(cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path) ->
         "dtype": str(result.dtype).removeprefix("torch."),
         "first_divergence": None if first is None else asdict(first),
         "losses": [[s.loss_reference, s.loss_target] for s in result.steps],
+        "fallbacks": result.fallbacks,
+        "fallbacks_first": result.fallbacks_first,
+        "profile": result.profile,
         "text": result.format(),
     }
 
