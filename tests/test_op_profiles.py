@@ -90,32 +90,39 @@ def test_build_script_reads_the_xla_lowerings(tmp_path: Path) -> None:
     assert "aten::bmm" in profile["sources"][1]["documented_but_not_lowered"]
 
 
-CENSUS = {"aten::mm.out": 12, "aten::copysign.out": 2, "aten::unfold": 4, "aten::add.out": 30}
+def _profile_run(fallbacks: dict[str, int], first: dict[str, str], operators: int = 40) -> dict:
+    """A runtime-audit summary of a run made with a profile in force (what ``profile_runs`` returns)."""
+    run = dict(_evidence("sim").runtime, ops={f"aten::op{i}": 1 for i in range(operators)})
+    run["offences"] = {f"fallback:{op}": n for op, n in fallbacks.items()}
+    run["first"] = {f"fallback:{op}": where for op, where in first.items()}
+    return run
 
 
-def test_report_judges_the_census_against_each_profile(tmp_path: Path) -> None:
-    runtime = dict(
-        _evidence("sim").runtime,
-        ops=CENSUS,
-        ops_first={"aten::copysign.out": "model.py:7 in forward", "aten::unfold": "moe.py:3 in forward"},
-        profile=None,
+def test_report_judges_fallbacks_under_each_profile() -> None:
+    where = {"aten::copysign.out": "model.py:7 in forward", "aten::unfold": "moe.py:3 in forward"}
+    coverage = op_coverage(
+        {
+            "tpu": _profile_run({"aten::copysign.out": 2}, where),
+            "neuron": _profile_run({"aten::copysign.out": 2, "aten::unfold": 4}, where),
+        }
     )
-    coverage = op_coverage(runtime)
-    assert coverage["tpu"]["fallbacks"] == {"aten::copysign.out": 2}
-    assert coverage["neuron"]["fallbacks"] == {"aten::copysign.out": 2, "aten::unfold": 4}
-    items = {i.id: i for i in checklist(_evidence("sim", runtime=runtime))}
-    fallbacks = items["2.2"]
-    assert fallbacks.status == FAIL
-    assert "aten::copysign.out x2, first at model.py:7 in forward" in fallbacks.evidence
-    assert (
-        "neuron profile: 2 of 4 operators" in fallbacks.evidence
-        and "tpu profile: 1 of 4" in fallbacks.evidence
-    )
-    # Impersonating a TPU, only the TPU profile judges; a clean census passes.
-    tpu_run = dict(runtime, device_type="tpu", ops={"aten::mm.out": 3})
-    item = {i.id: i for i in checklist(_evidence("sim", runtime=tpu_run))}["2.2"]
-    assert item.status == PASS and item.evidence.endswith("tpu profile: all 1 operators run on the device")
+    assert coverage["tpu"]["fallbacks"] == {"aten::copysign.out": 2} and coverage["tpu"]["operators"] == 40
+    assert coverage["neuron"]["first"]["aten::unfold"] == "moe.py:3 in forward"
+    assert "TorchTPU" in coverage["tpu"]["backend"] and coverage["tpu"]["completeness"]
+    item = {i.id: i for i in checklist(_evidence("sim", coverage=coverage))}["2.2"]
+    assert item.status == FAIL
+    assert "aten::copysign.out x2, first at model.py:7 in forward" in item.evidence
+    assert "neuron profile: 2 of 40 operators" in item.evidence and "tpu profile: 1 of 40" in item.evidence
+    # Impersonating a TPU, only the TPU profile judges; a run with nothing outside it passes.
+    tpu = dict(_evidence("sim").runtime, device_type="tpu")
+    clean = op_coverage({"tpu": _profile_run({}, {}), "neuron": _profile_run({"aten::unfold": 4}, where)})
+    item = {i.id: i for i in checklist(_evidence("sim", runtime=tpu, coverage=clean))}["2.2"]
+    assert item.status == PASS and item.evidence.endswith("tpu profile: all 40 operators run on the device")
     assert item.command.startswith("SIM_OP_PROFILE=tpu ")
+    # A run that failed under a profile fails the item, saying so.
+    failed = op_coverage({"tpu": {"error": "RuntimeError: boom"}})
+    item = {i.id: i for i in checklist(_evidence("sim", runtime=tpu, coverage=failed))}["2.2"]
+    assert item.status == FAIL and "the run failed: RuntimeError: boom" in item.evidence
 
 
 def test_report_lists_findings_by_rule_and_the_plan_on_the_device() -> None:
@@ -189,7 +196,7 @@ def test_every_family_runs_through_each_profile(tmp_path: Path) -> None:
     print(json.dumps({k: v["fallbacks"] for k, v in res.items()}))  # the docs' table (pytest -s)
 
 
-@pytest.mark.slow  # one fresh process: a runtime audit run and a report (runtime audit + bench) on the sim, ~30 s
+@pytest.mark.slow  # one fresh process on the sim: a run, a report (2 runtime audits + bench), parity: ~50 s
 def test_a_planted_unsupported_op_is_named_by_the_runtime_audit_and_the_report(tmp_path: Path) -> None:
     out = run_python(
         f"""
@@ -197,6 +204,7 @@ def test_a_planted_unsupported_op_is_named_by_the_runtime_audit_and_the_report(t
         from pathlib import Path
         import torch
         from tests.helpers import TINY, compose_config, train_records
+        from portatrain.parity import run_parity
         from portatrain.report import build_report, render_markdown
         from portatrain.trainer import Trainer
 
@@ -219,8 +227,10 @@ def test_a_planted_unsupported_op_is_named_by_the_runtime_audit_and_the_report(t
         finally:
             trainer.close()
         document = build_report(compose_config(base, root / "report"), trainer_cls=Planted, progress=lambda m: None)
+        parity = run_parity(compose_config(base, root / "parity"), 2, trainer_cls=Planted)
         print(json.dumps({{"records": train_records(root / "train"), "document": document,
-                          "markdown": render_markdown(document)}}))
+                          "markdown": render_markdown(document), "parity": parity.format(),
+                          "parity_ok": parity.ok, "parity_fallbacks": parity.fallbacks}}))
         """,
         env={"PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}", "SIM_OP_PROFILE": "tpu"},
     )
@@ -238,3 +248,6 @@ def test_a_planted_unsupported_op_is_named_by_the_runtime_audit_and_the_report(t
     assert "aten::copysign.out" in document["op_coverage"]["tpu"]["fallbacks"]
     assert "## Operator coverage by profile" in res["markdown"] and "`aten::copysign.out`" in res["markdown"]
     assert "## Plan on sim" in res["markdown"]
+    # Parity holds through the fallback, and says which operators took it.
+    assert res["parity_ok"] and set(res["parity_fallbacks"]) >= {"aten::copysign.out"}
+    assert "CPU fallbacks on sim under op profile tpu: aten::copysign.out x" in res["parity"]

@@ -1,9 +1,9 @@
 """The report's evidence beyond the checklist's verdicts: operator coverage under each op-coverage
 profile, the static audit's findings by rule, and the plan a recipe will run with on the device.
 
-* :func:`op_coverage` -- the runtime audit's op census on the sim (every operator that reached the
-  device) judged against every shipped profile (:mod:`portatrain.accelerators.sim.op_profiles`):
-  the operators that would leave the device under each, with their calls and first location;
+* :func:`op_coverage` -- on the sim, one runtime-audit run per shipped op-coverage profile
+  (:mod:`portatrain.accelerators.sim.op_profiles`) with that profile in force: the operators that
+  fell back to the CPU under each, with their calls and first location;
 * :func:`findings_by_rule` -- the static audit's findings counted by rule and severity;
 * :func:`device_plan` -- what the recipe resolves to on the device: the mixture-of-experts dispatch
   (``model.moe_dispatch=auto`` follows the device's compiler) and the pipeline schedule.
@@ -18,26 +18,32 @@ from typing import Any
 from portatrain.config import Config
 
 
-def op_coverage(runtime: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Profile name -> the census's operators outside it (``{}`` without a census: not the sim, or
-    the run failed)."""
-    ops = runtime.get("ops")
-    if not ops:
-        return {}
+def op_coverage(profile_runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Profile name -> the operators that fell back to the CPU in the runtime-audit run made with
+    that profile in force (:func:`portatrain.report.evidence.profile_runs`), with their calls and
+    first location; ``{}`` off the sim."""
     from portatrain.accelerators.sim import op_profiles
 
-    first = runtime.get("ops_first", {})
     out = {}
-    for name, profile in op_profiles.load_all().items():
-        fallbacks = profile.fallbacks(ops)
-        out[name] = {
+    for name, run in profile_runs.items():
+        profile = op_profiles.load(name)
+        judged: dict[str, Any] = {
             "backend": profile.backend,
             "completeness": profile.completeness,
             "unlisted": profile.unlisted,
-            "operators": len(ops),
-            "fallbacks": fallbacks,
-            "first": {op: first.get(op, "?") for op in fallbacks},
         }
+        if "error" in run:
+            judged["error"] = run["error"]
+        else:
+            fallbacks = {
+                k.removeprefix("fallback:"): n
+                for k, n in run["offences"].items()
+                if k.startswith("fallback:")
+            }
+            judged["operators"] = len(run.get("ops", {}))
+            judged["fallbacks"] = fallbacks
+            judged["first"] = {op: run["first"].get(f"fallback:{op}", "?") for op in fallbacks}
+        out[name] = judged
     return out
 
 

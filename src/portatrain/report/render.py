@@ -62,13 +62,18 @@ def _coverage_sections(document: dict[str, Any], tag: str) -> list[str]:
     lines = ["", "## Operator coverage by profile", ""]
     coverage = document.get("op_coverage") or {}
     if not coverage:
-        lines.append("No op census: it is taken by the runtime audit on the simulated device (device=sim).")
+        lines.append("Measured on the simulated device only (device=sim): one runtime-audit run per profile.")
     else:
         lines += [
             "| profile | operators | fall back | operators that fall back (calls, first at) |",
             "| --- | --- | --- | --- |",
         ]
         for name, judged in coverage.items():
+            if "error" in judged:
+                lines.append(
+                    f"| {name} ({_cell(judged['backend'])}) | ? | ?{tag} | the run failed: {_cell(judged['error'])} |"
+                )
+                continue
             shown = "; ".join(
                 f"`{op}` x{n} at {judged['first'][op]}" for op, n in judged["fallbacks"].items()
             )

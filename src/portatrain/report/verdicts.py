@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from portatrain.report.coverage import judged_profiles, op_coverage
+from portatrain.report.coverage import judged_profiles
 
 if TYPE_CHECKING:
     from portatrain.report.evidence import Evidence
@@ -158,9 +158,8 @@ def _fallbacks(ev: Evidence) -> Verdict:
     if runtime["cpu_fallbacks"] is None:
         why = f"the {ev.device} adapter reports no CPU fallbacks (Accelerator.take_fallback_report)"
         return NOT_MEASURED, why, ev.with_device("sim")
-    coverage = op_coverage(runtime) if ev.simulated else {}
-    if coverage:
-        return _profile_fallbacks(ev, coverage)
+    if ev.coverage:
+        return _profile_fallbacks(ev, ev.coverage)
     if ev.simulated and not runtime.get("unsupported_ops"):
         why = (
             "the sim device marks no operation unsupported (SIM_UNSUPPORTED_OPS is empty), so none can fall "
@@ -179,6 +178,10 @@ def _profile_fallbacks(ev: Evidence, coverage: dict[str, dict[str, Any]]) -> Ver
     names = judged_profiles(ev.runtime, coverage)
     for name in names:
         judged = coverage[name]
+        if "error" in judged:
+            failed = True
+            parts.append(f"{name} profile: the run failed: {judged['error']}")
+            continue
         fallbacks = judged["fallbacks"]
         if not fallbacks:
             parts.append(f"{name} profile: all {judged['operators']} operators run on the device")
@@ -192,8 +195,8 @@ def _profile_fallbacks(ev: Evidence, coverage: dict[str, dict[str, Any]]) -> Ver
             f"{name} profile: {len(fallbacks)} of {judged['operators']} operators fall back: {shown}{more}"
         )
     evidence = (
-        f"op census of {ev.runtime['steps']} steps judged against the "
-        f"{'profile' if len(names) == 1 else 'profiles'} {', '.join(names)}: " + " | ".join(parts)
+        f"{ev.runtime['steps']} steps with the op-coverage "
+        f"{'profile' if len(names) == 1 else 'profiles'} {', '.join(names)} in force: " + " | ".join(parts)
     )
     return (FAIL if failed else PASS), evidence, f"SIM_OP_PROFILE={names[0]} {ev.commands.train}"
 
