@@ -18,8 +18,10 @@ calls ``aten::unfold``) is registered for the sim device while the profile is ac
 instead of as the ops its composite calls.
 
 Independent of any profile, the runtime audit on the sim counts every operator that reaches the
-device (:func:`portatrain.accelerators.sim.counters.op_census`), so one run can be judged against
-every profile afterwards (:func:`OpProfile.fallbacks`): that is what ``portatrain report`` shows.
+device (the op census, :func:`portatrain.accelerators.sim.counters.set_census`).
+:meth:`OpProfile.fallbacks` judges such a census, which is exact for the profile the run was made
+under; ``portatrain report`` makes one run per profile, since the composites a vendor runs whole
+(above) differ between profiles, and with them the operators that reach the device.
 """
 
 from __future__ import annotations
