@@ -10,6 +10,8 @@ run in this process, and the command lines that reproduce it.
   mixed-device ops between logging steps, graph breaks, recompiles after warm-up, the batch shapes
   seen, the losses; with ``compile.enabled`` it warms up every shape first and warns instead of
   stopping on a recompile;
+* **op coverage** (:func:`profile_runs`): on the sim, the runtime-audit run once per op-coverage
+  profile with that profile in force, so the operators outside it really fall back and are counted;
 * **parity** (``portatrain parity``, :mod:`portatrain.parity`, :func:`parity_run`) against the fp32
   CPU reference;
 * **bench** (``portatrain bench``, :mod:`portatrain.bench`, :func:`bench_run`): cold start, steady

@@ -650,6 +650,14 @@ static void sim_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack
       throw;
     }
     t_in_cpu_fallback = false;
+    // A scalar result read from device tensors is still a host sync of the user's code.
+    for (size_t i = stack->size() - schema.returns().size(); i < stack->size(); ++i) {
+      const c10::IValue& v = (*stack)[i];
+      if ((v.isBool() || v.isInt() || v.isDouble()) && !kMetadataScalar.count(base)) {
+        record_event("sync:scalar_result:" + full_name());
+        break;
+      }
+    }
     return;
   }
 
