@@ -29,10 +29,10 @@ both off by default and free when off:
     recompiles are dynamo's process-wide records, read as differences, on any device. The first
     occurrence of each kind is also logged once, with its Python stack.
 
-    On the sim the audit also takes an op census: every operator that reached the device over the
-    run, with its first location (:meth:`RuntimeAudit.summary`'s ``ops`` and ``ops_first``), so the
-    run can be judged against every op-coverage profile afterwards
-    (:mod:`portatrain.accelerators.sim.op_profiles`); the profile in force, if any, is ``profile``.
+    On the sim the audit also takes an op census: every operator that reached the device in the
+    windows, with its first location (:meth:`RuntimeAudit.summary`'s ``ops`` and ``ops_first``). With
+    an op-coverage profile in force (``SIM_OP_PROFILE``, :mod:`portatrain.accelerators.sim.op_profiles`;
+    the summary's ``profile``) the operators outside it are the ``fallback:<op>`` offences.
 
 ``audit.nonfinite=true``
     A debugging mode: a forward hook on every module checks its outputs and a gradient hook every
