@@ -10,6 +10,8 @@ run in this process, and the command lines that reproduce it.
   mixed-device ops between logging steps, graph breaks, recompiles after warm-up, the batch shapes
   seen, the losses; with ``compile.enabled`` it warms up every shape first and warns instead of
   stopping on a recompile;
+* **op coverage** (:func:`profile_runs`): on the sim, the runtime-audit run once per op-coverage
+  profile with that profile in force, so the operators outside it really fall back and are counted;
 * **parity** (``portatrain parity``, :mod:`portatrain.parity`, :func:`parity_run`) against the fp32
   CPU reference;
 * **bench** (``portatrain bench``, :mod:`portatrain.bench`, :func:`bench_run`): cold start, steady
@@ -27,7 +29,7 @@ import inspect
 import io
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -161,6 +163,30 @@ def _unsupported_ops(simulated: bool) -> dict[str, str] | None:
     return counters.unsupported_ops() if simulated else None
 
 
+def profile_runs(
+    cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path, runtime: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """On the sim, the runtime-audit run once per op-coverage profile, that profile in force (so the
+    operators outside it really fall back and are counted); ``runtime``, the run already made, stands
+    for the profile it ran under. ``{}`` off the sim or when that run failed."""
+    if not runtime.get("simulated"):
+        return {}
+    from portatrain.accelerators.sim import counters, op_profiles
+
+    previous = counters.active_profile()
+    runs = {}
+    try:
+        for name, profile in op_profiles.load_all().items():
+            if runtime.get("profile") == name:
+                runs[name] = runtime
+                continue
+            counters.set_profile(profile)
+            runs[name] = runtime_run(cfg, trainer_cls, run_dir / f"runtime-{name}")
+    finally:
+        counters.set_profile(previous)
+    return runs
+
+
 def bench_run(cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path) -> dict[str, Any]:
     """``portatrain bench`` with ``report.bench_*`` steps; its results, or ``{"error": ...}``."""
     from portatrain.bench import run_bench
@@ -215,6 +241,9 @@ def parity_run(cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path) ->
         "dtype": str(result.dtype).removeprefix("torch."),
         "first_divergence": None if first is None else asdict(first),
         "losses": [[s.loss_reference, s.loss_target] for s in result.steps],
+        "fallbacks": result.fallbacks,
+        "fallbacks_first": result.fallbacks_first,
+        "profile": result.profile,
         "text": result.format(),
     }
 
@@ -262,6 +291,8 @@ class Evidence:
     simulated: bool
     report_cfg: ReportConfig
     commands: Commands
+    coverage: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """On the sim: profile -> the operators that fell back under it (:func:`~.coverage.op_coverage`)."""
 
     def with_device(self, device: str) -> str:
         """The report command run on another device (where this one cannot measure something)."""

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from portatrain.report.coverage import judged_profiles
+
 if TYPE_CHECKING:
     from portatrain.report.evidence import Evidence
 
@@ -156,6 +158,8 @@ def _fallbacks(ev: Evidence) -> Verdict:
     if runtime["cpu_fallbacks"] is None:
         why = f"the {ev.device} adapter reports no CPU fallbacks (Accelerator.take_fallback_report)"
         return NOT_MEASURED, why, ev.with_device("sim")
+    if ev.coverage:
+        return _profile_fallbacks(ev, ev.coverage)
     if ev.simulated and not runtime.get("unsupported_ops"):
         why = (
             "the sim device marks no operation unsupported (SIM_UNSUPPORTED_OPS is empty), so none can fall "
@@ -166,6 +170,35 @@ def _fallbacks(ev: Evidence) -> Verdict:
     if ev.simulated:
         evidence += f" (ops marked unsupported: {', '.join(runtime['unsupported_ops'])})"
     return status, evidence, command
+
+
+def _profile_fallbacks(ev: Evidence, coverage: dict[str, dict[str, Any]]) -> Verdict:
+    """The sim's op census judged against the op-coverage profile(s) of the target."""
+    parts, failed = [], False
+    names = judged_profiles(ev.runtime, coverage)
+    for name in names:
+        judged = coverage[name]
+        if "error" in judged:
+            failed = True
+            parts.append(f"{name} profile: the run failed: {judged['error']}")
+            continue
+        fallbacks = judged["fallbacks"]
+        if not fallbacks:
+            parts.append(f"{name} profile: all {judged['operators']} operators run on the device")
+            continue
+        failed = True
+        shown = "; ".join(
+            f"{op} x{n}, first at {judged['first'][op]}" for op, n in list(fallbacks.items())[:3]
+        )
+        more = f"; and {len(fallbacks) - 3} more" if len(fallbacks) > 3 else ""
+        parts.append(
+            f"{name} profile: {len(fallbacks)} of {judged['operators']} operators fall back: {shown}{more}"
+        )
+    evidence = (
+        f"{ev.runtime['steps']} steps with the op-coverage "
+        f"{'profile' if len(names) == 1 else 'profiles'} {', '.join(names)} in force: " + " | ".join(parts)
+    )
+    return (FAIL if failed else PASS), evidence, f"SIM_OP_PROFILE={names[0]} {ev.commands.train}"
 
 
 def _parity(ev: Evidence) -> Verdict:
