@@ -193,6 +193,10 @@ class Checkpointer:
         ``step_<M>.superseded``, so ``checkpoint.resume=auto`` never picks them. Rotation renames a
         checkpoint to ``step_<M>.deleting`` before deleting it: a kill mid-deletion leaves no
         half-deleted ``step_<M>``.
+
+        With ``async_mode`` ``thread`` or ``process``, it first waits for the save in flight, then
+        returns once the tensors are staged: the write, the rename and rotation happen in the
+        background, and their failure is raised by the next :meth:`save` or :meth:`wait`.
         """
         self.wait()  # at most one save in flight: this one starts when the previous is committed
         start = time.perf_counter()
