@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -281,3 +282,20 @@ def test_rng_state_round_trips(saved_run: Path, tmp_path: Path) -> None:
     assert torch.equal(torch.get_rng_state(), saved["rng"]["rank0"]["cpu"])
     assert trainer.step == 4
     trainer.close()
+
+
+def test_process_mode_refuses_an_entry_script_without_a_main_guard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DCP's checkpoint process is spawned and imports the entry script: unguarded, it would train."""
+    import types
+
+    script = tmp_path / "train.py"
+    script.write_text("from portatrain.cli import main\nmain()\n")
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    with pytest.raises(CheckpointError, match=r"train\.py calls training without an `if __name__"):
+        Checkpointer(tmp_path, keep=1, is_main=True, async_mode="process")
+    script.write_text('from portatrain.cli import main\n\nif __name__ == "__main__":\n    main()\n')
+    Checkpointer(tmp_path, keep=1, is_main=True, async_mode="process").close()

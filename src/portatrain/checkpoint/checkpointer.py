@@ -151,6 +151,12 @@ class Checkpointer:
         self._executor: ThreadPoolExecutor | None = None
         self._stager: Any = None
         self._group: Any = None
+        if async_mode == "process":
+            from portatrain.checkpoint.staging import spawn_problem
+
+            problem = spawn_problem()
+            if problem is not None:
+                raise CheckpointError(problem)
         self.keep = keep
         """Complete checkpoints kept after a save; <= 0 keeps all."""
         self.every = every

@@ -18,7 +18,9 @@ it (agreeing on success, renaming the checkpoint in, rotation) is the :class:`Ch
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -78,6 +80,30 @@ class AlreadyStaged:
 
     def close(self) -> None:
         pass
+
+
+def spawn_problem() -> str | None:
+    """Why ``async_mode=process`` cannot start here, or None. DCP starts its checkpoint process with
+    multiprocessing's *spawn*, which imports the entry script again in the new process: a script
+    that calls ``main()`` without an ``if __name__ == "__main__":`` guard would start training there
+    and the save would wait forever. (``python -m pkg`` and pip's console scripts are safe.)"""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    path = getattr(main, "__file__", None)
+    if (spec is not None and spec.name.endswith("__main__")) or path is None:
+        return None  # a package's __main__ (spawn skips it) or an interactive session
+    try:
+        source = Path(path).read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if "__main__" in source:
+        return None
+    return (
+        f"checkpoint.async_mode=process: the entry script {path} calls training without an "
+        '`if __name__ == "__main__":` guard, and DCP\'s checkpoint process (started with '
+        "multiprocessing's spawn) imports that script again, which would train in it too. Put the "
+        "call under that guard, or use checkpoint.async_mode=thread"
+    )
 
 
 def stop_checkpoint_process() -> None:
