@@ -337,6 +337,10 @@ class CheckpointConfig:
     restore_data: bool = True
     """On resume, continue the saved data order exactly. ``false`` starts a fresh data order
     (epoch 0), e.g. after changing ``data.batch_size * data-parallel ranks``."""
+    async_mode: str = "none"
+    """``none`` (the loop waits for the whole save), ``thread`` or ``process``: the loop waits only
+    while the state is copied to host memory, and DCP writes the copy from a background thread (or
+    from a process of its own); the checkpoint is renamed in when every rank has written it."""
 
 
 @dataclass

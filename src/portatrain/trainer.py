@@ -91,6 +91,7 @@ from portatrain.logwindow import LoggingWindow
 from portatrain.losses import chunked_loss_fn, cross_entropy_sum
 from portatrain.metrics import (
     MetricsLogger,
+    checkpoint_metrics,
     memory_metrics,
     model_flops,
     progress_postfix,
@@ -267,6 +268,7 @@ class Trainer:
             keep=cfg.checkpoint.keep,
             every=cfg.checkpoint.every,
             is_main=self.dist.is_main,
+            async_mode=cfg.checkpoint.async_mode,
         )
         # Non-finite steps: counted on the device every step, read at the logging sync and before
         # every save (no extra host sync); see portatrain.nonfinite.
@@ -511,6 +513,7 @@ class Trainer:
         last: dict[str, Any] = {}
         # SIGTERM / Ctrl-C: save at the next step boundary (when checkpointing), then stop.
         self.preemption.install()
+        self._fit_started = time.perf_counter()  # checkpoint_blocked_frac's wall time
         self.window.reset()
         if self.cfg.compile.enabled and self.cfg.compile.warmup and self.step < cfg.steps:
             self.warmup()
@@ -549,9 +552,11 @@ class Trainer:
         bar.close()
         profiler.close()
         self.preemption.uninstall()
+        self.checkpointer.wait()  # a stop request or the final save waits for the save in flight
         final = self.cfg.checkpoint.enabled and self.cfg.checkpoint.final and not self.preempted
         if final and self.checkpointer.last_step != self.step:
             self.save_checkpoint()
+            self.checkpointer.wait()
         return last
 
     def _progress_bar(self, cfg: Any) -> tqdm:
@@ -597,6 +602,9 @@ class Trainer:
             **routing_stats(self.model),  # this rank's experts' load, auxiliary loss, drops
             **audit,
         }
+        if self.cfg.checkpoint.enabled:
+            wall_s = time.perf_counter() - self._fit_started
+            last.update(checkpoint_metrics(self.checkpointer.blocked_s, wall_s))
         if self.nonfinite_skipped:
             last["nonfinite_skipped"] = self.nonfinite_skipped
         self.metrics.log(last)
@@ -642,8 +650,8 @@ class Trainer:
             rng_state=self.accelerator.get_rng_state(),
             config_yaml=redacted_yaml(self.cfg),
         )
-        if self.dist.is_main:
-            logger.info("saved checkpoint %s", path)
+        if self.dist.is_main and self.checkpointer.async_mode != "none":
+            logger.info("staged checkpoint %s; writing it in the background", path)
         return path
 
     def load_checkpoint(self, path: Path) -> None:
@@ -695,6 +703,7 @@ class Trainer:
             logger.info("resumed from %s at step %d", path, self.step)
 
     def close(self) -> None:
+        self.checkpointer.close()
         self.runtime_audit.close()
         self.compile_monitor.close()
         self.preemption.uninstall()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from portatrain.accelerators import ACCELERATORS
 from portatrain.audit.runtime import runtime_audit_problems
 from portatrain.bench import bench_problems
+from portatrain.checkpoint.staging import ASYNC_MODES
 from portatrain.compile import compile_problems
 from portatrain.config import CheckpointConfig, Config, DataConfig, TrainerConfig
 from portatrain.data.config import config_problems as data_problems
@@ -146,6 +147,10 @@ def checkpoint_problems(checkpoint: CheckpointConfig) -> list[str]:
         problems.append(f"checkpoint.every={checkpoint.every} must be >= 0 (0 saves only at the end)")
     if checkpoint.keep < 0:
         problems.append(f"checkpoint.keep={checkpoint.keep} must be >= 0 (0 keeps every checkpoint)")
+    if checkpoint.async_mode not in ASYNC_MODES:
+        problems.append(
+            f"checkpoint.async_mode={checkpoint.async_mode!r} is not one of {', '.join(ASYNC_MODES)}"
+        )
     return problems
 
 

@@ -29,6 +29,7 @@ import inspect
 import io
 import json
 import logging
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -104,7 +105,14 @@ def runtime_run(cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path) -
     steps = int(cfg.report.steps)
     updates: dict[str, Any] = {
         "trainer": {"steps": steps, "log_every": max(1, steps // 2), "eval_every": 0, "progress": False},
-        "checkpoint": {"enabled": False, "resume": "none"},
+        # One save mid-run, as configured (checkpoint.async_mode): what the loop waits for.
+        "checkpoint": {
+            "enabled": True,
+            "every": max(1, steps // 2),
+            "keep": 1,
+            "final": False,
+            "resume": "none",
+        },
         "audit": {"runtime": True, "nonfinite": False},
     }
     if cfg.compile.enabled:  # compile every shape first, then count what recompiles (and go on)
@@ -119,6 +127,7 @@ def runtime_run(cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path) -
             shapes.update(tuple(b["input_ids"].shape) for b in batches)
             return super().train_step(batches)
 
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # an earlier report's: a new run each time
     dynamo_before = dynamo_totals()
     trainer = None
     try:
@@ -133,6 +142,7 @@ def runtime_run(cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path) -
     breaks_after, _, graphs_after = dynamo_totals()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
+    blocked = [r["checkpoint_blocked_frac"] for r in records if "checkpoint_blocked_frac" in r]
     return {
         **trainer.runtime_audit.summary(),
         "graph_breaks_whole_run": sum((breaks_after - dynamo_before[0]).values()),
@@ -143,6 +153,8 @@ def runtime_run(cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path) -
         "trainer": f"{base.__module__}.{base.__qualname__}",
         "compile": bool(run_cfg.compile.enabled),
         "losses": losses,
+        "checkpoint_blocked_frac": blocked[-1] if blocked else None,
+        "checkpoint_async_mode": str(run_cfg.checkpoint.async_mode),
         "dtype": str(trainer.dtype).removeprefix("torch."),
         "shapes_seen": sorted([list(s) for s in shapes]),
         "shapes_configured": [list(s) for s in batch_shapes(run_cfg.data)],
