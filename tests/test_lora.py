@@ -14,13 +14,22 @@ from portatrain.finetune.lora import LoRALinear, adapters_disabled, is_adapter_k
 from portatrain.trainer import Trainer
 from portatrain.validate import config_problems
 from tests.conftest import TINY, compose_config, run_cli
+from tests.helpers import torchrun, train_records
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 ATOL = 1e-4
-# A high learning rate and no warm-up: after 3 steps the adapters are far from zero (B starts at 0).
-LORA = [*TINY, "finetune.method=lora", "trainer.steps=3", "optim.lr=0.02", "optim.warmup_steps=0"]
+# A high, constant learning rate: after 3 steps the adapters are far from zero (B starts at 0), and
+# a run stopped early has the learning rates of a longer one.
+LORA = [
+    *TINY,
+    "finetune.method=lora",
+    "trainer.steps=3",
+    "optim.lr=0.02",
+    "optim.warmup_steps=0",
+    "optim.decay=constant",
+]
 SMALL = ["model.n_layers=2", "data.num_documents=60"]
 FAMILIES = {
     "llama3": ("model=llama3_debug", "LlamaForCausalLM"),
@@ -31,6 +40,7 @@ FAMILIES = {
 
 
 def lora_run(tmp_path: Path, overrides: list[str]) -> Trainer:
+    """A LoRA run of the small debug model (``overrides`` last), fitted and closed."""
     trainer = Trainer(compose_config([*LORA, *SMALL, *overrides], run_dir=tmp_path / "run"))
     trainer.fit()
     trainer.close()
@@ -91,3 +101,41 @@ def test_lora_bad_input_is_one_line_each(tmp_path: Path) -> None:
     result = run_cli([*LORA, "finetune.lora.rank=-1", f"run_dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert result.returncode == 2
     assert "finetune.lora.rank=-1 must be positive" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_lora_fsdp2_x_tp_compiled_checkpointed_chunked_resumes_in_one_process(tmp_path: Path) -> None:
+    """FSDP2 x TP (4 processes), selective activation checkpointing, compiled blocks and the chunked
+    loss train LoRA as one process does (fp32, 1e-5); the checkpoint of step 2 resumes in one process."""
+    common = [*LORA, *SMALL, "trainer.steps=4", "data.num_documents=200"]
+    reference = lora_run(tmp_path / "one", ["trainer.steps=4", "data.num_documents=200", "data.batch_size=8"])
+    want = train_records(reference.run_dir)
+    run_dir = tmp_path / "dist"
+    out = torchrun(
+        4,
+        [
+            *common,
+            "trainer.steps=2",
+            "data.batch_size=4",
+            "parallel.dp_shard=2",
+            "parallel.tp=2",
+            "parallel.activation_checkpointing=selective",
+            "compile.enabled=true",
+            "compile.backend=aot_eager",
+            "trainer.loss=chunked",
+            f"run_dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    # Same global batch in one process: data.batch_size=8 (checkpoint.resume continues its data order).
+    resumed = run_cli(
+        [*common, "data.batch_size=8", "checkpoint.resume=auto", f"run_dir={run_dir}"], cwd=tmp_path
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got = train_records(run_dir)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for g, w in zip(got, want, strict=True):
+        assert g["loss"] == pytest.approx(w["loss"], abs=1e-5), (g, w)
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), (g, w)
