@@ -18,7 +18,9 @@ reward is the larger. What this file does:
   chat template and trained on the assistant turns, as SFT's chat records are
   (``portatrain.data.documents``);
 * :class:`PairLoader` -- batches of ``data.batch_size`` pairs per rank: the chosen rows then the
-  rejected rows, each padded (or cut) to ``data.seq_len`` positions, one static shape; resumable.
+  rejected rows, each padded to ``data.seq_len`` positions, one static shape; resumable. A longer
+  row loses the start of its prompt (the response is what is scored), or, when the response alone
+  is longer than the row, the end of the response.
 
 The reference's log-probabilities are computed once, before the first step, over every pair (one
 no-grad forward pass over the data; 8 bytes a pair kept), by ``portatrain.dpo_trainer``. The other
@@ -144,6 +146,18 @@ def dpo_loss(
     return loss, chosen_reward.detach(), rejected_reward.detach()
 
 
+def _fit(tokens: np.ndarray, mask: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """At most ``length`` tokens: a long prompt loses its start (the response is what DPO scores),
+    a response longer than the row its end."""
+    if len(tokens) <= length:
+        return tokens, mask
+    first_target = int(np.argmax(mask)) if mask.any() else len(tokens)
+    if len(tokens) - first_target < length:
+        return tokens[-length:], mask[-length:]
+    start = max(0, first_target - 1)  # the last prompt token, whose label is the response's first
+    return tokens[start : start + length], mask[start : start + length]
+
+
 class PairLoader:
     """This rank's batches of preference pairs: ``input_ids``/``labels`` ``[2B, S]`` (chosen rows, then
     rejected rows), ``pair_index`` ``[B]`` (the pairs' indices, for the reference's log-probabilities)
@@ -211,7 +225,7 @@ class PairLoader:
         labels = np.full((2 * n, seq), IGNORE_INDEX, dtype=np.int64)
         for i, index in enumerate(chunk):
             for row, (tokens, mask) in ((i, self.pairs[index][0]), (n + i, self.pairs[index][1])):
-                tokens, mask = tokens[: seq + 1], mask[: seq + 1]  # cut to the row: S positions
+                tokens, mask = _fit(tokens, mask, seq + 1)
                 length = len(tokens) - 1
                 input_ids[row, :length] = tokens[:-1]
                 labels[row, :length] = np.where(mask[1:] == 1, tokens[1:], IGNORE_INDEX)
