@@ -5,7 +5,7 @@ process's resident set, ``memory_peak_bytes``), the two kinds alternating ``--re
 load from other processes hits both alike. Step time is the logging window after the first
 (cold) steps. Printed: each kind's median peak and step time, and LoRA's ratios to full.
 
-    OMP_NUM_THREADS=2 python scripts/bench_lora.py                      # a 38M-parameter Llama, CPU
+    OMP_NUM_THREADS=2 python scripts/bench_lora.py                      # an 88M-parameter Llama, CPU
     python scripts/bench_lora.py --dim 2048 --layers 16 --device cuda   # where there is a GPU
 """
 
@@ -53,11 +53,11 @@ def run(kind: str, args: argparse.Namespace, root: Path, i: int) -> dict[str, fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dim", type=int, default=768)
-    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3, help="steps measured (after as many warm-up steps)")
+    parser.add_argument("--steps", type=int, default=2, help="steps measured (after as many warm-up steps)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each kind, alternating")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
