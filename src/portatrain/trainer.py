@@ -17,7 +17,8 @@ Hooks (override in a subclass; each has one job):
 ``forward_backward(batch, num_tokens)``
     Forward one micro-batch, ``backward()`` its share of the step loss, return the loss sum (detached).
 ``train_step(batches)``
-    One optimizer step over ``grad_accum`` micro-batches; returns metrics of the step.
+    One optimizer step over ``grad_accum`` micro-batches; returns metrics of the step (device
+    tensors under ``dp_sums``, each rank's share of a global mean, are summed over ranks and logged).
 ``evaluate()``
     Mean loss over ``trainer.eval_batches`` held-out batches.
 ``warmup()``
@@ -85,6 +86,8 @@ from portatrain.data.loader import batch_shapes, build_collator, build_dataloade
 from portatrain.data.pipeline import build_data
 from portatrain.distributed import destroy_distributed, dist_info_from_env, init_distributed
 from portatrain.dtypes import dtype_from_name
+from portatrain.finetune import uses_lora
+from portatrain.finetune.lora import apply_lora, init_lora, lora_state
 from portatrain.kernels import apply as apply_kernels
 from portatrain.kernels import resolve as resolve_kernels
 from portatrain.logwindow import LoggingWindow
@@ -240,6 +243,8 @@ class Trainer:
         # before parallelize, so compiled blocks trace each kernel as one custom op.
         self.kernels = resolve_kernels(cfg.kernels.enabled, self.accelerator.device_type)
         apply_kernels(model, self.kernels)
+        # finetune.method=lora (or dpo with lora): the layers LoRA adapts, set while parallelizing.
+        self.lora_modules: list[str] = []
         self.model = self._materialize(self.parallelize(model))
         # MFU = the architecture's FLOPs per real token over the device's peak (CPU: measured, cached).
         self.flops_per_token = getattr(model, "flops_per_token", None)
@@ -340,10 +345,15 @@ class Trainer:
             self.cfg.parallel,
             compile_block=block_compiler(self.cfg.compile, self.accelerator, granularity),
             compute_dtype=self.dtype,
+            adapt=self._add_lora if uses_lora(self.cfg.finetune) else None,
         )
         if self.cfg.compile.enabled and granularity != "block":
             compile_model(model, self.cfg.compile, self.accelerator, granularity)
         return model
+
+    def _add_lora(self, model: nn.Module) -> None:
+        """Freeze the model and add LoRA adapters (``portatrain.finetune.lora``), after tensor parallel."""
+        self.lora_modules = apply_lora(model, self.cfg.finetune.lora)
 
     def compute_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Sum of next-token cross-entropy over positions whose label is not -100."""
@@ -600,6 +610,7 @@ class Trainer:
             **memory_metrics(self.accelerator.memory_stats()),
             **self.compile_monitor.metrics(),
             **routing_stats(self.model),  # this rank's experts' load, auxiliary loss, drops
+            **self._dp_sums(metrics.get("dp_sums")),
             **audit,
         }
         if self.cfg.checkpoint.enabled:
@@ -614,6 +625,20 @@ class Trainer:
             logger.info("step %d/%d  %s", self.step, self.cfg.trainer.steps, summary)
         self.window.reset()
         return last
+
+    def _lora_record(self) -> dict[str, Any]:
+        """LoRA: what export needs to write the adapters in PEFT's format or merge them (else nothing)."""
+        if not self.lora_modules:
+            return {}
+        return {"lora": lora_state(self.cfg.finetune.lora, self.lora_modules)}
+
+    def _dp_sums(self, sums: dict[str, torch.Tensor] | None) -> dict[str, float]:
+        """A step's extra metrics (``train_step``'s ``dp_sums``: each rank's share of a global mean),
+        summed over the data-parallel ranks in one all-reduce."""
+        if not sums:
+            return {}
+        totals = self._all_reduce_sum(torch.stack([v.detach().float() for v in sums.values()]))
+        return dict(zip(sums, totals.tolist(), strict=True))
 
     def _evaluate_and_log(self) -> dict[str, float]:
         """:meth:`evaluate` (its compilation watched, the runtime audit paused), logged, then
@@ -645,6 +670,7 @@ class Trainer:
                 "model_args": model_args_dict(self.model),
                 "tokenizer": self.tokenizer.name,  # absolute path: export copies its files
                 "dp_world_size": self.dp_world_size,
+                **self._lora_record(),
             },
             dataloader_state=self.train_loader.state_dict(),
             rng_state=self.accelerator.get_rng_state(),
@@ -738,6 +764,7 @@ class Trainer:
         torch.manual_seed(self.cfg.trainer.seed)
         with torch.no_grad(), full_tensor_init(self.cfg.parallel.init_full_tensors):
             model.init_weights(self.cfg.model.init_std)
+            init_lora(model)  # no adapters: nothing to do
         return model.train()
 
     def _autocast(self) -> contextlib.AbstractContextManager:

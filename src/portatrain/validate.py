@@ -19,6 +19,7 @@ from portatrain.data.config import config_problems as data_problems
 from portatrain.dtypes import dtype_problem
 from portatrain.errors import ConfigError
 from portatrain.export import export_problems
+from portatrain.finetune import finetune_problems
 from portatrain.kernels import config_problems as kernel_problems
 from portatrain.losses import loss_problems
 from portatrain.metrics import metrics_problems
@@ -48,6 +49,7 @@ def config_problems(cfg: Config) -> list[str]:
     problems += model_problems(cfg.model)
     problems += optim_problems(cfg.optim)
     problems += trainer_problems(cfg.trainer)
+    problems += finetune_problems(cfg.finetune, cfg.model, cfg.data, cfg.compile)
     problems += checkpoint_problems(cfg.checkpoint)
     problems += compile_problems(cfg.compile)
     problems += kernel_problems(list(cfg.kernels.enabled), cfg.device.type)

@@ -78,10 +78,12 @@ class _FullTensorRandomInit(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _VALUE_READS and args and isinstance(args[0], DTensor):
             return func(args[0].full_tensor(), *args[1:], **kwargs)
-        if func in _RANDOM_INPLACE and args and isinstance(args[0], DTensor):
-            target: DTensor = args[0]
+        # ``torch.nn.init`` functions hand their tensor over as the keyword ``tensor``, methods as args[0].
+        target = args[0] if args else kwargs.get("tensor")
+        if func in _RANDOM_INPLACE and isinstance(target, DTensor):
             full = torch.empty(target.shape, dtype=target.dtype, device=target.device)
-            func(full, *args[1:], **kwargs)  # re-enters this mode with a plain tensor: runs as is
+            # re-enters this mode with a plain tensor: runs as is
+            func(full, *args[1:], **kwargs) if args else func(**{**kwargs, "tensor": full})
             shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
             target.to_local().copy_(shard.to_local())
             return target
