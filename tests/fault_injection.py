@@ -1,7 +1,8 @@
 """Fault injection for ``tests/test_faults.py``: SIGKILL a training process at a random point of a save
 or a rotation, resume it, and compare with the run that was never killed.
 
-The *points* are every filesystem step a save takes, counted while ``Checkpointer.save`` runs: DCP's
+The *points* are every filesystem step a save takes, counted while ``Checkpointer.save`` runs (and, for
+``checkpoint.async_mode=thread``, in the threads that write and commit it while training goes on): DCP's
 data writes and its index (``FileSystemWriter.write_data`` / ``finish``), the JSON files, every
 ``rename`` (tmp -> final, old aside, rotation) and every ``unlink``/``rmdir`` of a deletion (so a kill
 can land in the middle of deleting a rotated checkpoint). ``install(kill_at)`` makes the process
@@ -9,7 +10,7 @@ SIGKILL itself just before point number ``kill_at``; ``kill_at=0`` only counts.
 
 Two ways to run it:
 
-- ``python tests/fault_injection.py trials OUT N SEED``: one process runs the clean reference, then N
+- ``python tests/fault_injection.py trials OUT N SEED [OVERRIDE...]``: one process runs the clean reference, then N
   trials, each in a forked child (``OMP_NUM_THREADS=1``: no thread pool to break in a fork) -- a
   child killed at a random point, then a child that resumes with ``checkpoint.resume=auto`` --
   and writes every trial's outcome to ``OUT`` (JSON). Forking saves the ~3 s of ``import torch`` per
@@ -27,6 +28,7 @@ import random
 import shutil
 import signal
 import sys
+import threading
 from pathlib import Path
 
 RUN = [
@@ -43,6 +45,9 @@ RUN = [
     "checkpoint.keep=2",
 ]
 
+SAVE_THREADS = ("AsyncCheckpointExecutor", "checkpoint-commit")
+"""Name prefixes of the threads an asynchronous save writes from (DCP's, then the Checkpointer's)."""
+
 _state = {"count": 0, "kill_at": 0, "in_save": False, "installed": False}
 
 
@@ -58,7 +63,11 @@ def install(kill_at: int) -> None:
     import portatrain.checkpoint.checkpointer as checkpointer
 
     def point() -> None:
-        if not _state["in_save"]:
+        # The main thread inside Checkpointer.save, or a thread of an asynchronous save (DCP's
+        # writer, the commit): never the loop's own file operations while a save is in flight.
+        here = threading.current_thread()
+        saving = _state["in_save"] if here is threading.main_thread() else here.name.startswith(SAVE_THREADS)
+        if not saving:
             return
         _state["count"] += 1
         if _state["count"] == _state["kill_at"]:
@@ -129,7 +138,7 @@ def _in_child(fn, out: Path) -> int:
     return status
 
 
-def trials(out: Path, n: int, seed: int) -> None:
+def trials(out: Path, n: int, seed: int, overrides: list[str] | None = None) -> None:
     work = out.parent / "fault-trials"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -138,7 +147,8 @@ def trials(out: Path, n: int, seed: int) -> None:
     # The clean run runs here, not in a child: every module training needs is then imported before
     # the first fork, so all trials run the same code (and pay for no import).
     install(0)
-    reference = _fit(work / "clean", [])
+    overrides = overrides or []
+    reference = _fit(work / "clean", overrides)
     total = reference["points"]
     rng = random.Random(seed)
     outcomes = []
@@ -148,7 +158,7 @@ def trials(out: Path, n: int, seed: int) -> None:
 
         def killed(run_dir=run_dir, kill_at=kill_at) -> dict:
             install(kill_at)
-            return _fit(run_dir, [])
+            return _fit(run_dir, overrides)
 
         status = _in_child(killed, result_file)
         was_killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
@@ -163,7 +173,7 @@ def trials(out: Path, n: int, seed: int) -> None:
 
         def resume(run_dir=run_dir) -> dict:
             install(0)
-            return _fit(run_dir, ["checkpoint.resume=auto"])
+            return _fit(run_dir, [*overrides, "checkpoint.resume=auto"])
 
         _in_child(resume, result_file)
         outcome = json.loads(result_file.read_text()) if result_file.is_file() else {"error": "resume died"}
@@ -224,6 +234,6 @@ def torchrun_worker() -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     if len(sys.argv) > 1 and sys.argv[1] == "trials":
-        trials(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        trials(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:])
     else:
         torchrun_worker()

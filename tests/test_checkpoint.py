@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 import signal
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from portatrain.checkpoint import (
+    Checkpointer,
     CheckpointError,
     PreemptionWatcher,
     complete_checkpoints,
@@ -134,10 +137,12 @@ def test_bad_checkpoint_is_one_clear_error_and_nothing_is_overwritten(
     assert _snapshot(tmp_path) == before  # nothing written: no config.yaml, no metrics line
 
 
+@pytest.mark.parametrize("async_mode", ["none", "thread"])
 def test_crash_during_save_leaves_previous_checkpoint_loadable(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_mode: str
 ) -> None:
-    """The writer dies after the data files of the step-4 save are written, before its index."""
+    """The writer dies after the data files of the step-4 save are written, before its index (for an
+    asynchronous save: in the background, reported when the loop next waits for it -- here the end)."""
     calls = {"n": 0}
     original = FileSystemWriter.finish
 
@@ -149,7 +154,7 @@ def test_crash_during_save_leaves_previous_checkpoint_loadable(
 
     monkeypatch.setattr(FileSystemWriter, "finish", finish)
     with pytest.raises(CheckpointError) as info:  # one message, DCP's exception unwrapped
-        fit(["checkpoint.every=2"], tmp_path)
+        fit(["checkpoint.every=2", f"checkpoint.async_mode={async_mode}"], tmp_path)
     message = str(info.value)
     assert "disk full (simulated)" in message and "step_0000002 is intact" in message, message
     monkeypatch.undo()
@@ -163,19 +168,58 @@ def test_crash_during_save_leaves_previous_checkpoint_loadable(
     assert [p.name for p in complete_checkpoints(folder)] == ["step_0000002", "step_0000004"]
 
 
-def test_sigterm_in_process_saves_at_the_step_boundary(tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_mode", ["none", "thread"])
+def test_sigterm_in_process_saves_at_the_step_boundary(tmp_path: Path, async_mode: str) -> None:
     class Preempted(Trainer):
         def on_step_end(self, step: int, metrics: dict) -> None:
             if step == 2:
                 os.kill(os.getpid(), signal.SIGTERM)
 
     previous = signal.getsignal(signal.SIGTERM)
-    trainer = Preempted(compose_config(TINY + ["trainer.steps=6"], run_dir=tmp_path))
+    overrides = TINY + ["trainer.steps=6", f"checkpoint.async_mode={async_mode}"]
+    trainer = Preempted(compose_config(overrides, run_dir=tmp_path))
     trainer.fit()
     trainer.close()
     assert trainer.preempted and trainer.step == 2
     assert [p.name for p in complete_checkpoints(tmp_path / "checkpoints")] == ["step_0000002"]
     assert signal.getsignal(signal.SIGTERM) == previous  # handler given back
+
+
+def test_async_save_blocks_for_staging_only_and_commits_the_staged_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``save`` returns while DCP's writer is held; the checkpoint is not ``step_N`` (nor reported
+    saved) before ``wait`` commits it; what is written is the state at ``save``, not later updates."""
+    import torch.distributed.checkpoint as dcp
+
+    release = threading.Event()
+    original = FileSystemWriter.write_data
+
+    def held(self, plan, planner):
+        assert release.wait(60)
+        return original(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", held)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    saved_weight = model.weight.detach().clone()
+    checkpointer = Checkpointer(tmp_path, keep=2, is_main=True, async_mode="thread")
+    state = {"step": 1, "tokens_seen": 0, "lr_scheduler": {}}
+    args = dict(model=model, optimizer=optimizer, dataloader_state=None, rng_state={}, config_yaml="")
+    path = checkpointer.save(1, state=state, **args)
+    assert not path.exists() and path.with_name(path.name + ".tmp").is_dir()
+    assert checkpointer.last_step is None and complete_checkpoints(tmp_path) == []
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the next step changes the weights while the save is in flight
+    release.set()
+    checkpointer.wait()
+    assert complete_checkpoints(tmp_path) == [path] and checkpointer.last_step == 1
+    loaded = {"model": {"weight": torch.zeros(4, 4)}}
+    dcp.load(loaded, checkpoint_id=str(path))
+    assert torch.equal(loaded["model"]["weight"], saved_weight)
+    checkpointer.close()
 
 
 def test_preemption_watcher_single_process() -> None:
@@ -238,3 +282,20 @@ def test_rng_state_round_trips(saved_run: Path, tmp_path: Path) -> None:
     assert torch.equal(torch.get_rng_state(), saved["rng"]["rank0"]["cpu"])
     assert trainer.step == 4
     trainer.close()
+
+
+def test_process_mode_refuses_an_entry_script_without_a_main_guard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DCP's checkpoint process is spawned and imports the entry script: unguarded, it would train."""
+    import types
+
+    script = tmp_path / "train.py"
+    script.write_text("from portatrain.cli import main\nmain()\n")
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    with pytest.raises(CheckpointError, match=r"train\.py calls training without an `if __name__"):
+        Checkpointer(tmp_path, keep=1, is_main=True, async_mode="process")
+    script.write_text('from portatrain.cli import main\n\nif __name__ == "__main__":\n    main()\n')
+    Checkpointer(tmp_path, keep=1, is_main=True, async_mode="process").close()

@@ -19,11 +19,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("accelerators",),  # device adapters
     ("distributed", "parallel", "kernels"),  # process groups; parallel dims, mesh, FSDP/TP; kernel overrides
     ("models", "data"),  # model families (parallelize.py uses parallel/); the data pipeline
+    ("finetune",),  # LoRA adapters and PEFT files; DPO's loss and preference pairs
     # stages the trainer uses; the audit (static scan, runtime audit)
     ("compile", "losses", "optim", "profiling", "metrics", "checkpoint", "rundir", "audit"),
     # what watches the training loop: non-finite steps, the logging window; lm-eval tasks on the model
     ("nonfinite", "logwindow", "evaluation"),
     ("trainer", "plan", "export"),  # the loop; the dry run; HF export
+    ("dpo_trainer",),  # the trainer for finetune.method=dpo
     ("bench", "launch", "parity"),  # commands' engines built on the trainer / the layout; parity
     ("report",),  # the portability report: audit + runtime audit + parity + bench
     ("validate",),  # asks every stage for its problems

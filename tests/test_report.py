@@ -215,6 +215,19 @@ def test_failures_name_what_failed() -> None:
     assert level_verdicts(list(broken.values()))[1] == FAIL
 
 
+def test_the_loops_wait_on_checkpoints_is_judged_on_hardware_only() -> None:
+    def item(device: str, frac: float | None) -> Any:
+        ev = _evidence(device)
+        ev.runtime = dict(ev.runtime, checkpoint_blocked_frac=frac, checkpoint_async_mode="none")
+        return _by_id(checklist(ev))["0.2"]
+
+    assert item("cpu", None).status == NOT_MEASURED
+    assert item("cpu", 0.04).status == PASS and "4.0% of its wall time" in item("cpu", 0.04).evidence
+    slow = item("cpu", 0.26)
+    assert slow.status == FAIL and slow.command.endswith("checkpoint.async_mode=thread")
+    assert item("sim", 0.26).status == NOT_MEASURED
+
+
 def test_targets_turn_measurements_into_verdicts() -> None:
     fast = _by_id(checklist(_evidence("cpu", report_cfg=ReportConfig(min_tokens_per_s=1000, min_mfu=0.2))))
     assert fast["5.1"].status == PASS and "meets report.min_tokens_per_s=1000" in fast["5.1"].evidence

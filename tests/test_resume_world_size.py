@@ -75,11 +75,12 @@ def _torchrun(args: list[str], cwd: Path, *, stop: bool) -> subprocess.Completed
                     if {stop!r} and step == {STOP} and self.dist.is_main:
                         self.preemption.requested = True
 
-            main(trainer_cls=StopAt)
+            if __name__ == "__main__":  # async_mode=process spawns DCP's process, which imports this file
+                main(trainer_cls=StopAt)
             """
         )
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
     env.pop("WORLD_SIZE", None)
     cmd = [
         sys.executable,
@@ -104,7 +105,16 @@ def _assert_close(got: dict[int, float], want: dict[int, float]) -> None:
 def test_two_fsdp2_ranks_save_one_rank_resumes(tmp_path: Path, hf_dir: Path, reference: dict) -> None:
     run_dir = tmp_path / "run"
     _torchrun(
-        [*RUN, "data.batch_size=4", "parallel.dp_shard=2", f"model.init_from={hf_dir}", f"run_dir={run_dir}"],
+        # The stop's save is asynchronous (FSDP2 shards staged, committed on a gloo group of its own):
+        # the run waits for it before exiting.
+        [
+            *RUN,
+            "data.batch_size=4",
+            "parallel.dp_shard=2",
+            "checkpoint.async_mode=thread",
+            f"model.init_from={hf_dir}",
+            f"run_dir={run_dir}",
+        ],
         tmp_path,
         stop=True,
     )
@@ -136,8 +146,15 @@ def test_one_rank_saves_two_fsdp2_ranks_resume(tmp_path: Path, hf_dir: Path, ref
     trainer.close()
     assert [p.name for p in complete_checkpoints(run_dir / "checkpoints")] == [f"step_{STOP:07d}"]
 
-    _torchrun(
-        [*RUN, "data.batch_size=4", "parallel.dp_shard=2", "checkpoint.resume=auto", f"run_dir={run_dir}"],
+    _torchrun(  # its final save through DCP's checkpoint process, one per rank
+        [
+            *RUN,
+            "data.batch_size=4",
+            "parallel.dp_shard=2",
+            "checkpoint.resume=auto",
+            "checkpoint.async_mode=process",
+            f"run_dir={run_dir}",
+        ],
         tmp_path,
         stop=False,
     )

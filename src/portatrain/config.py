@@ -167,6 +167,45 @@ class OptimConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters (Hu et al. 2021, https://arxiv.org/abs/2106.09685): ``W x + (alpha / rank) B A x``."""
+
+    rank: int = 8
+    """Rank ``r`` of each adapter (``A`` is ``[r, in]``, ``B`` is ``[out, r]``)."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter's output is multiplied by ``alpha / rank``."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (training only)."""
+    targets: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Linear layers to adapt, by name pattern (``fnmatch``) on the module path, e.g. ``layers.0.self_attn.q_proj``:
+    a pattern without a dot matches the last name (``q_proj``), one with dots the whole path
+    (``layers.*.mlp.*``). A mixture of experts' routed experts are never matched by these names; its
+    router (``mlp.gate``) and shared experts (``mlp.shared_experts.*``) only when named."""
+
+
+@dataclass
+class DpoConfig:
+    """Direct preference optimization (Rafailov et al. 2023, https://arxiv.org/abs/2305.18290)."""
+
+    beta: float = 0.1
+    """Strength of the KL penalty toward the reference model (the DPO temperature)."""
+    lora: bool = False
+    """Train LoRA adapters (``finetune.lora``) instead of every weight; the reference is then the base
+    model with the adapters switched off."""
+
+
+@dataclass
+class FinetuneConfig:
+    method: str = "full"
+    """``full`` (every weight trains), ``lora`` (only low-rank adapters train; the base is frozen and
+    has no optimizer state) or ``dpo`` (preference pairs, ``prompt``/``chosen``/``rejected`` records)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+
+
+@dataclass
 class TrainerConfig:
     steps: int = 300
     """Optimizer steps to train for."""
@@ -275,6 +314,10 @@ class ParallelConfig:
     """Expert-parallel degree: a mixture of experts' experts are split over ``ep`` of the ``dp_shard``
     ranks (which must be a multiple of it), tokens reach them by all-to-all, and FSDP2 shards each
     rank's experts over the other ``dp_shard / ep`` (``portatrain.parallel.expert``)."""
+    cp: int = 1
+    """Context-parallel degree: each row's positions are split over ``cp`` ranks, each holding one
+    chunk from the head and one from the tail of the row (rows must be multiples of ``2 * cp``);
+    keys and values are all-gathered for attention (``portatrain.parallel.context``)."""
     activation_checkpointing: str = "none"
     """``none``, ``full`` or ``selective``."""
     param_dtype: str | None = None
@@ -339,6 +382,10 @@ class CheckpointConfig:
     restore_data: bool = True
     """On resume, continue the saved data order exactly. ``false`` starts a fresh data order
     (epoch 0), e.g. after changing ``data.batch_size * data-parallel ranks``."""
+    async_mode: str = "none"
+    """``none`` (the loop waits for the whole save), ``thread`` or ``process``: the loop waits only
+    while the state is copied to host memory, and DCP writes the copy from a background thread (or
+    from a process of its own); the checkpoint is renamed in when every rank has written it."""
 
 
 @dataclass
@@ -353,6 +400,9 @@ class ExportConfig:
     """Largest safetensors file, as ``5GB``, ``500MB``, ``2GiB`` or a number of bytes."""
     dtype: str = "float32"
     """Dtype of the exported weights: ``float32`` (as trained, lossless) or ``bfloat16``."""
+    merge_lora: bool = False
+    """A LoRA checkpoint: write the base with the adapters merged in (a plain model), instead of the
+    base model plus its adapters in PEFT's format under ``out/adapter``."""
 
 
 @dataclass
@@ -501,6 +551,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -43,10 +43,14 @@ from portatrain.checkpoint.common import root_causes, short_cause
 from portatrain.config import ExportConfig
 from portatrain.dtypes import DTYPE_NAMES, DTYPES, dtype_problem
 from portatrain.errors import ConfigError
+from portatrain.finetune.lora import adapter_keys, save_peft_adapter
+from portatrain.finetune.lora import merge_lora as merge_lora_into
 from portatrain.models import SPECS
 
 logger = logging.getLogger(__name__)
 
+ADAPTER_DIR = "adapter"
+"""Where a LoRA checkpoint's export puts its adapters (PEFT's ``adapter_config.json`` + safetensors)."""
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -56,10 +60,17 @@ def export_command(export: ExportConfig, run_dir: str | Path) -> Path:
         raise ConfigError("export.out is not set: portatrain export checkpoint=PATH|auto out=DIR")
     checkpoint = find_checkpoint(export.checkpoint, Path(run_dir))
     out = export_hf(
-        checkpoint, Path(export.out), max_shard_size=parse_size(export.max_shard_size), dtype=export.dtype
+        checkpoint,
+        Path(export.out),
+        max_shard_size=parse_size(export.max_shard_size),
+        dtype=export.dtype,
+        merge_lora=export.merge_lora,
     )
     shards = len(list(out.glob("*.safetensors")))
-    print(f"exported {checkpoint} -> {out}: {shards} safetensors shard(s), {export.dtype}")
+    adapter = (
+        f"; LoRA adapters in PEFT's format in {out / ADAPTER_DIR}" if (out / ADAPTER_DIR).is_dir() else ""
+    )
+    print(f"exported {checkpoint} -> {out}: {shards} safetensors shard(s), {export.dtype}{adapter}")
     return out
 
 
@@ -85,9 +96,15 @@ def export_problems(export: ExportConfig) -> list[str]:
     return problems
 
 
-def export_hf(checkpoint: Path, out: Path, *, max_shard_size: int, dtype: str = "float32") -> Path:
-    """Write the model weights of a portatrain checkpoint as a Hugging Face model directory."""
-    import torch.distributed.checkpoint as dcp
+def export_hf(
+    checkpoint: Path, out: Path, *, max_shard_size: int, dtype: str = "float32", merge_lora: bool = False
+) -> Path:
+    """Write the model weights of a portatrain checkpoint as a Hugging Face model directory.
+
+    A LoRA checkpoint (``finetune.method=lora``) writes the frozen base model and, in ``out/adapter``,
+    its adapters in PEFT's format (``peft.PeftModel.from_pretrained(base, out/adapter)``); with
+    ``merge_lora`` the adapters are merged into the weights instead: a plain model.
+    """
     from safetensors.torch import save_file
 
     from portatrain.data.tokenizer import build_tokenizer, copy_tokenizer_files
@@ -127,6 +144,8 @@ def export_hf(checkpoint: Path, out: Path, *, max_shard_size: int, dtype: str = 
             raise CheckpointError(f"checkpoint {checkpoint / '.metadata'} has no tensor model.{key}")
         sizes[key] = entry.size.numel() * target.itemsize
     shards = _plan_shards(keys, sizes, max_shard_size)
+    lora = state.get("lora")
+    adapters = _read_tensors(checkpoint, metadata, adapter_keys(lora)) if lora else {}
 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -135,20 +154,9 @@ def export_hf(checkpoint: Path, out: Path, *, max_shard_size: int, dtype: str = 
         weight_map: dict[str, str] = {}
         for i, shard in enumerate(shards, start=1):
             name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            tensors = {
-                key: torch.empty(
-                    metadata.state_dict_metadata[f"model.{key}"].size,
-                    dtype=metadata.state_dict_metadata[f"model.{key}"].properties.dtype,
-                )
-                for key in shard
-            }
-            try:
-                dcp.load({"model": tensors}, storage_reader=safe_reader(str(checkpoint)))
-            except (Exception, dcp.CheckpointException) as exc:  # the latter is a BaseException
-                raise CheckpointError(
-                    f"reading checkpoint {checkpoint} failed ({short_cause(root_causes(exc)[0])}); a *.distcp "
-                    "file was overwritten or damaged -- export an earlier step_* directory"
-                ) from None
+            tensors = _read_tensors(checkpoint, metadata, shard)
+            if lora and merge_lora:
+                merge_lora_into(tensors, adapters, lora)
             bad = nonfinite_keys(tensors)  # the rule a checkpoint load applies
             if bad:
                 raise CheckpointError(
@@ -175,6 +183,13 @@ def export_hf(checkpoint: Path, out: Path, *, max_shard_size: int, dtype: str = 
         copy_tokenizer_files(state.get("tokenizer", "byte"), tmp)
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        if lora and not merge_lora:
+            if nonfinite_keys(adapters):
+                raise CheckpointError(
+                    f"checkpoint {checkpoint} holds non-finite LoRA adapters; not exporting them"
+                )
+            save_peft_adapter(tmp / ADAPTER_DIR, adapters, lora, to_hf=spec.hf.to_hf, base_model=str(out))
+            _share_mode(tmp / ADAPTER_DIR, directory=True)
         _share_mode(tmp, directory=True)
         if out.exists():
             out.rmdir()  # empty (checked above)
@@ -186,6 +201,25 @@ def export_hf(checkpoint: Path, out: Path, *, max_shard_size: int, dtype: str = 
         "exported step %s: %d shard(s), %.1f MB", state["step"], len(shards), sum(sizes.values()) / 1e6
     )
     return out
+
+
+def _read_tensors(checkpoint: Path, metadata: Any, keys: list[str]) -> dict[str, torch.Tensor]:
+    """The checkpoint's ``model.<key>`` tensors for ``keys`` (a partial ``dcp.load``: only these are read)."""
+    import torch.distributed.checkpoint as dcp
+
+    entries = {key: metadata.state_dict_metadata.get(f"model.{key}") for key in keys}
+    missing = [key for key, entry in entries.items() if entry is None]
+    if missing:
+        raise CheckpointError(f"checkpoint {checkpoint / '.metadata'} has no tensor model.{missing[0]}")
+    tensors = {key: torch.empty(entry.size, dtype=entry.properties.dtype) for key, entry in entries.items()}
+    try:
+        dcp.load({"model": tensors}, storage_reader=safe_reader(str(checkpoint)))
+    except (Exception, dcp.CheckpointException) as exc:  # the latter is a BaseException
+        raise CheckpointError(
+            f"reading checkpoint {checkpoint} failed ({short_cause(root_causes(exc)[0])}); a *.distcp "
+            "file was overwritten or damaged -- export an earlier step_* directory"
+        ) from None
+    return tensors
 
 
 def _save_safetensors(save_file: Any, tensors: dict[str, torch.Tensor], path: Path) -> None:

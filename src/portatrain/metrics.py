@@ -119,6 +119,12 @@ def throughput_metrics(
     }
 
 
+def checkpoint_metrics(blocked_s: float, wall_s: float) -> dict[str, float]:
+    """The loop's cost of checkpoints so far: seconds it was blocked saving (or waiting for a save in
+    flight, ``checkpoint.async_mode``) and that time's fraction of the training wall time."""
+    return {"checkpoint_blocked_s": blocked_s, "checkpoint_blocked_frac": blocked_s / max(wall_s, 1e-9)}
+
+
 def memory_high_water(stats: dict[str, int]) -> int | None:
     """The high-water mark of ``Accelerator.memory_stats()``: the device allocator's peak where it
     keeps one (``peak_allocated``), else the process's peak RSS (CPU), else the current figure."""
@@ -143,6 +149,8 @@ def progress_postfix(record: dict[str, Any]) -> dict[str, str]:
         postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
     if record.get("memory_peak_bytes") is not None:
         postfix["mem"] = f"{record['memory_peak_bytes'] / GIB:.2f}G"
+    if record.get("checkpoint_blocked_frac"):  # the share of wall time the loop waited on saves
+        postfix["ckpt"] = f"{100 * record['checkpoint_blocked_frac']:.1f}%"
     if record.get("moe_load_max_mean") is not None:  # a mixture of experts: the busiest expert's load
         postfix["moe_load"] = f"{record['moe_load_max_mean']:.2f}"
     if record.get("moe_dropped") is not None:

@@ -13,6 +13,11 @@ a leaf (``layers.1.input_layernorm``) is named before the block that contains it
 Scope: one process (the reference holds a full copy of the model), eager modules on both sides
 (per-module capture needs hooks, which compiled blocks would trace; ``compile.enabled`` is turned
 off), debug-to-small models (every activation of a step is kept on the host).
+
+On the simulated device the report also names the operators that fell back to the CPU on the
+target (``SIM_OP_PROFILE``: those outside the op-coverage profile of the impersonated backend, which
+really run through the CPU fallback), each with its calls and first location, so a parity pass says
+whether it held with the fallbacks a real backend would take.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
+from portatrain.accelerators.sim import counters
+from portatrain.accelerators.sim.settings import installed as sim_installed
+from portatrain.audit.runtime import first_location
 from portatrain.errors import UserError
 
 TOLERANCES: dict[torch.dtype, float] = {
@@ -70,6 +78,12 @@ class ParityReport:
     dtype: torch.dtype
     tolerance: float
     steps: list[StepParity]
+    fallbacks: dict[str, int] | None = None
+    """On the sim: operator -> calls that fell back to the CPU on the target (None elsewhere)."""
+    fallbacks_first: dict[str, str] = field(default_factory=dict)
+    """Operator -> ``file:line in function`` of its first fallback."""
+    profile: str | None = None
+    """The sim's op-coverage profile in force on the target."""
 
     @property
     def first_divergence(self) -> Difference | None:
@@ -108,6 +122,13 @@ class ParityReport:
             lines.append(f"largest differences at step {last.step}:")
             for d in sorted(last.activations + last.gradients, key=lambda d: -d.rel)[:worst]:
                 lines.append(f"  {d.kind:<10} {d.name:<48} {d.rel:.2e}")
+        if self.fallbacks is not None:
+            profile = f"op profile {self.profile}" if self.profile else "no op profile (SIM_OP_PROFILE unset)"
+            shown = "; ".join(
+                f"{op} x{n} at {self.fallbacks_first.get(op, '?')}"
+                for op, n in sorted(self.fallbacks.items())
+            )
+            lines.append(f"CPU fallbacks on {self.device} under {profile}: {shown or 'none'}")
         first = self.first_divergence
         if first is None:
             lines.append("PASS: every loss, module output and gradient is within tolerance")
@@ -251,6 +272,8 @@ def run_parity(
                 )
         batches = iter(reference.train_loader)
         results = []
+        simulated = counters.active() and sim_installed() == target.accelerator.device_type
+        counters.reset()
         for step in range(1, steps + 1):
             micro = [next(batches) for _ in range(max(1, int(cfg.trainer.grad_accum)))]
             for recorder in recorders.values():
@@ -274,7 +297,18 @@ def run_parity(
             results.append(record)
         for recorder in recorders.values():
             recorder.remove()
-        return ParityReport(target_device, target.dtype, tolerance, results)
+        report = ParityReport(target_device, target.dtype, tolerance, results)
+        if simulated:
+            counts = counters.take()
+            report.fallbacks = dict(counts.fallbacks)
+            report.fallbacks_first = {
+                op: first_location(counts.first_stacks[f"fallback:{op}"])
+                for op in counts.fallbacks
+                if f"fallback:{op}" in counts.first_stacks
+            }
+            profile = counters.active_profile()
+            report.profile = profile.name if profile is not None else None
+        return report
     finally:
         target.close()
         reference.close()

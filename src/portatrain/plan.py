@@ -14,6 +14,7 @@ from portatrain.data.loader import has_attention_mask
 from portatrain.dtypes import dtype_from_name
 from portatrain.models import ARCH_OVERRIDES, build_model, get_spec, model_args, moe_dispatch
 from portatrain.models.memory import format_memory_report
+from portatrain.parallel.context import context_activation_bytes
 from portatrain.parallel.parallel_dims import ParallelDims, expected_world_size
 
 
@@ -50,23 +51,40 @@ def estimate_for_config(cfg: Config, *, world_size: int | None = None) -> dict[s
     mixed = training_dtype(cfg.trainer.dtype, cfg.device.type) == torch.bfloat16
     dispatch = moe_dispatch(cfg.model, static_shapes=static_shapes(cfg.device.type))
     # FSDP2 mixed precision keeps fp32 sharded parameters, gradients and AdamW moments and
-    # computes (all-gathers, activations) in bf16.
-    return spec.estimate_memory(
+    # computes (all-gathers, activations) in bf16. Context parallel: each device holds 1/cp of the
+    # row and FSDP2 shards over dp_shard x cp; the gathered k/v come on top.
+    estimate = spec.estimate_memory(
         args,
         batch_size=cfg.data.batch_size,
-        seq_len=cfg.data.seq_len,
+        seq_len=cfg.data.seq_len // par.cp,
         param_dtype_bytes=4,
         grad_dtype_bytes=4,
         optim_state_bytes_per_param=8,
-        shard_degree=dims.dp_shard,
+        shard_degree=dims.dp_shard * par.cp,
         tp_degree=par.tp,
         activation_checkpointing=par.activation_checkpointing,
         activation_dtype_bytes=2 if mixed else 4,
         loss_chunk_size=cfg.trainer.loss_chunk_size if cfg.trainer.loss == "chunked" else None,
-        attn_mask=has_attention_mask(cfg.data),
+        attn_mask=has_attention_mask(cfg.data) and par.cp == 1,
         capacity_factor=cfg.model.capacity_factor if dispatch == "capacity" else None,
         ep_degree=par.ep,
     )
+    if par.cp > 1:
+        extra = context_activation_bytes(
+            batch=cfg.data.batch_size,
+            seq_len=cfg.data.seq_len,
+            cp=par.cp,
+            n_layers=args.n_layers,
+            q_dim=args.n_heads * args.head_dim // par.tp,
+            kv_dim=args.n_kv_heads * args.head_dim // par.tp,
+            act_bytes=2 if mixed else 4,
+            repeated=cfg.device.type != "cpu",
+            documents=has_attention_mask(cfg.data),
+            activation_checkpointing=par.activation_checkpointing,
+        )
+        estimate["activations"] += extra
+        estimate["total"] += extra
+    return estimate
 
 
 def describe_plan(cfg: Config) -> str:
@@ -96,8 +114,13 @@ def describe_plan(cfg: Config) -> str:
         f"({args.n_kv_heads} kv, head_dim {args.head_dim}), ffn {args.ffn_dim}, vocab {args.vocab_size}",
         f"precision: {'bf16 compute, fp32 master weights/grads/optimizer' if mixed else 'fp32'}",
         f"layout: {dims.describe()}; "
-        f"micro-batch {cfg.data.batch_size} x {cfg.data.seq_len} tokens per device; "
-        f"activation checkpointing {par.activation_checkpointing}",
+        f"micro-batch {cfg.data.batch_size} x {cfg.data.seq_len} tokens "
+        + (
+            f"(split over cp={par.cp}: {cfg.data.seq_len // par.cp} per device)"
+            if par.cp > 1
+            else "per device"
+        )
+        + f"; activation checkpointing {par.activation_checkpointing}",
         f"training FLOPs per token: {args.flops_per_token(cfg.data.seq_len) / 1e9:.2f} GFLOP"
         + (f" (active parameters); experts dispatched {experts}" if active != n_params else ""),
         "",

@@ -17,7 +17,8 @@ Hooks (override in a subclass; each has one job):
 ``forward_backward(batch, num_tokens)``
     Forward one micro-batch, ``backward()`` its share of the step loss, return the loss sum (detached).
 ``train_step(batches)``
-    One optimizer step over ``grad_accum`` micro-batches; returns metrics of the step.
+    One optimizer step over ``grad_accum`` micro-batches; returns metrics of the step (device
+    tensors under ``dp_sums``, each rank's share of a global mean, are summed over ranks and logged).
 ``evaluate()``
     Mean loss over ``trainer.eval_batches`` held-out batches.
 ``evaluate_tasks()``
@@ -31,7 +32,9 @@ Hooks (override in a subclass; each has one job):
 Hooks that take a ``batch`` get it on the device. For packed rows (``data.packing_attention=document``)
 the loader sends ``document_ids`` and the Trainer adds ``attn_mask``, built on the device
 (``portatrain.data.collate.with_attention_mask``), so ``self.model(batch["input_ids"],
-positions=batch.get("positions"), attn_mask=batch.get("attn_mask"))`` works in every hook.
+positions=batch.get("positions"), attn_mask=batch.get("attn_mask"))`` works in every hook. With
+``parallel.cp > 1`` the batch is already this rank's shard of the rows (``portatrain.parallel.context``)
+and ``attn_mask`` the callable that attends it over the whole row.
 
 Everything else (data, optimizer, schedule, metrics, checkpoints) is built from the config by
 the stages it names, one ``_setup_*`` step each; a subclass changes behaviour by overriding a hook,
@@ -87,12 +90,15 @@ from portatrain.data.pipeline import build_data
 from portatrain.distributed import destroy_distributed, dist_info_from_env, init_distributed
 from portatrain.dtypes import dtype_from_name
 from portatrain.evaluation.tasks import task_names
+from portatrain.finetune import uses_lora
+from portatrain.finetune.lora import apply_lora, init_lora, lora_state
 from portatrain.kernels import apply as apply_kernels
 from portatrain.kernels import resolve as resolve_kernels
 from portatrain.logwindow import LoggingWindow
 from portatrain.losses import chunked_loss_fn, cross_entropy_sum
 from portatrain.metrics import (
     MetricsLogger,
+    checkpoint_metrics,
     memory_metrics,
     model_flops,
     progress_postfix,
@@ -109,7 +115,9 @@ from portatrain.parallel import (
     dp_all_reduce,
     full_tensor_init,
     parallelize_model,
+    token_all_reduce,
 )
+from portatrain.parallel.context import ContextParallel
 from portatrain.profiling import StepProfiler
 from portatrain.redact import redacted_yaml
 from portatrain.rundir import (
@@ -174,6 +182,9 @@ class Trainer:
         )
         self.parallel_dims.build_mesh(self.accelerator.device_type)
         self.dp_rank, self.dp_world_size = self.parallel_dims.dp_rank, self.parallel_dims.dp
+        # parallel.cp > 1: full-length rows from the loader, cut into this rank's shard on the device.
+        dims = self.parallel_dims
+        self.context_parallel = ContextParallel.from_mesh(dims.cp_mesh) if dims.cp_enabled else None
 
     def _setup_run_dir(self) -> None:
         """Before anything is built or written: take the run directory (exclusive, and writable), find
@@ -226,8 +237,8 @@ class Trainer:
             dispatch=moe_dispatch(cfg.model, static_shapes=self.accelerator.static_shapes),
             capacity_factor=cfg.model.capacity_factor,
             aux_loss_scale=1.0 / cfg.trainer.grad_accum,
-            reduce_stats=partial(dp_all_reduce, parallel_dims=self.parallel_dims)
-            if self.dp_world_size > 1
+            reduce_stats=partial(token_all_reduce, parallel_dims=self.parallel_dims)
+            if self.dp_world_size > 1 or self.context_parallel is not None
             else None,
         )
         # Routers balanced by a bias moved after each optimizer step (DeepSeek-V3), if any.
@@ -236,6 +247,8 @@ class Trainer:
         # before parallelize, so compiled blocks trace each kernel as one custom op.
         self.kernels = resolve_kernels(cfg.kernels.enabled, self.accelerator.device_type)
         apply_kernels(model, self.kernels)
+        # finetune.method=lora (or dpo with lora): the layers LoRA adapts, set while parallelizing.
+        self.lora_modules: list[str] = []
         self.model = self._materialize(self.parallelize(model))
         # MFU = the architecture's FLOPs per real token over the device's peak (CPU: measured, cached).
         self.flops_per_token = getattr(model, "flops_per_token", None)
@@ -264,6 +277,7 @@ class Trainer:
             keep=cfg.checkpoint.keep,
             every=cfg.checkpoint.every,
             is_main=self.dist.is_main,
+            async_mode=cfg.checkpoint.async_mode,
         )
         # Non-finite steps: counted on the device every step, read at the logging sync and before
         # every save (no extra host sync); see portatrain.nonfinite.
@@ -338,10 +352,15 @@ class Trainer:
             self.cfg.parallel,
             compile_block=block_compiler(self.cfg.compile, self.accelerator, granularity),
             compute_dtype=self.dtype,
+            adapt=self._add_lora if uses_lora(self.cfg.finetune) else None,
         )
         if self.cfg.compile.enabled and granularity != "block":
             compile_model(model, self.cfg.compile, self.accelerator, granularity)
         return model
+
+    def _add_lora(self, model: nn.Module) -> None:
+        """Freeze the model and add LoRA adapters (``portatrain.finetune.lora``), after tensor parallel."""
+        self.lora_modules = apply_lora(model, self.cfg.finetune.lora)
 
     def compute_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Sum of next-token cross-entropy over positions whose label is not -100."""
@@ -398,7 +417,8 @@ class Trainer:
             loss_sum += self.forward_loss(batch)
             count += int((batch["labels"] != -100).sum())
         self.model.train()
-        loss_sum, count = self._all_reduce_sum(loss_sum), self._all_reduce_sum(torch.tensor(float(count)))
+        loss_sum = token_all_reduce(loss_sum, self.parallel_dims)
+        count = token_all_reduce(torch.tensor(float(count), device=self.device), self.parallel_dims)
         return {"eval_loss": (loss_sum / count.clamp(min=1)).item()}
 
     def evaluate_tasks(self) -> dict[str, float]:
@@ -535,6 +555,7 @@ class Trainer:
         last: dict[str, Any] = {}
         # SIGTERM / Ctrl-C: save at the next step boundary (when checkpointing), then stop.
         self.preemption.install()
+        self._fit_started = time.perf_counter()  # checkpoint_blocked_frac's wall time
         self.window.reset()
         if self.cfg.compile.enabled and self.cfg.compile.warmup and self.step < cfg.steps:
             self.warmup()
@@ -577,9 +598,11 @@ class Trainer:
         bar.close()
         profiler.close()
         self.preemption.uninstall()
+        self.checkpointer.wait()  # a stop request or the final save waits for the save in flight
         final = self.cfg.checkpoint.enabled and self.cfg.checkpoint.final and not self.preempted
         if final and self.checkpointer.last_step != self.step:
             self.save_checkpoint()
+            self.checkpointer.wait()
         return last
 
     def _progress_bar(self, cfg: Any) -> tqdm:
@@ -608,7 +631,7 @@ class Trainer:
         last = {
             "step": self.step,
             # Each rank's loss is its token sum over the GLOBAL token count: sum, not mean.
-            "loss": float(self._all_reduce_sum(metrics["loss"])),
+            "loss": float(token_all_reduce(metrics["loss"], self.parallel_dims)),
             "grad_norm": float(metrics["grad_norm"]),
             "lr": self.lr_scheduler.get_last_lr()[0],
             "tokens_seen": self.tokens_seen,
@@ -623,8 +646,12 @@ class Trainer:
             **memory_metrics(self.accelerator.memory_stats()),
             **self.compile_monitor.metrics(),
             **routing_stats(self.model),  # this rank's experts' load, auxiliary loss, drops
+            **self._dp_sums(metrics.get("dp_sums")),
             **audit,
         }
+        if self.cfg.checkpoint.enabled:
+            wall_s = time.perf_counter() - self._fit_started
+            last.update(checkpoint_metrics(self.checkpointer.blocked_s, wall_s))
         if self.nonfinite_skipped:
             last["nonfinite_skipped"] = self.nonfinite_skipped
         self.metrics.log(last)
@@ -634,6 +661,20 @@ class Trainer:
             logger.info("step %d/%d  %s", self.step, self.cfg.trainer.steps, summary)
         self.window.reset()
         return last
+
+    def _lora_record(self) -> dict[str, Any]:
+        """LoRA: what export needs to write the adapters in PEFT's format or merge them (else nothing)."""
+        if not self.lora_modules:
+            return {}
+        return {"lora": lora_state(self.cfg.finetune.lora, self.lora_modules)}
+
+    def _dp_sums(self, sums: dict[str, torch.Tensor] | None) -> dict[str, float]:
+        """A step's extra metrics (``train_step``'s ``dp_sums``: each rank's share of a global mean),
+        summed over the data-parallel ranks in one all-reduce."""
+        if not sums:
+            return {}
+        totals = self._all_reduce_sum(torch.stack([v.detach().float() for v in sums.values()]))
+        return dict(zip(sums, totals.tolist(), strict=True))
 
     def _evaluate_and_log(self, evaluate: Any = None) -> dict[str, float]:
         """:meth:`evaluate` (or ``evaluate``: :meth:`evaluate_tasks`; its compilation watched, the
@@ -665,13 +706,14 @@ class Trainer:
                 "model_args": model_args_dict(self.model),
                 "tokenizer": self.tokenizer.name,  # absolute path: export copies its files
                 "dp_world_size": self.dp_world_size,
+                **self._lora_record(),
             },
             dataloader_state=self.train_loader.state_dict(),
             rng_state=self.accelerator.get_rng_state(),
             config_yaml=redacted_yaml(self.cfg),
         )
-        if self.dist.is_main:
-            logger.info("saved checkpoint %s", path)
+        if self.dist.is_main and self.checkpointer.async_mode != "none":
+            logger.info("staged checkpoint %s; writing it in the background", path)
         return path
 
     def load_checkpoint(self, path: Path) -> None:
@@ -723,6 +765,7 @@ class Trainer:
             logger.info("resumed from %s at step %d", path, self.step)
 
     def close(self) -> None:
+        self.checkpointer.close()
         self.runtime_audit.close()
         self.compile_monitor.close()
         self.preemption.uninstall()
@@ -757,6 +800,7 @@ class Trainer:
         torch.manual_seed(self.cfg.trainer.seed)
         with torch.no_grad(), full_tensor_init(self.cfg.parallel.init_full_tensors):
             model.init_weights(self.cfg.model.init_std)
+            init_lora(model)  # no adapters: nothing to do
         return model.train()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -766,7 +810,11 @@ class Trainer:
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # Packed rows come with document ids; their [B, 1, S, S] mask is built here, on the device.
-        return with_attention_mask({k: v.to(self.device, non_blocking=True) for k, v in batch.items()})
+        # With context parallel, this rank's shard of the rows instead, and its attention.
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        if self.context_parallel is not None:
+            return self.context_parallel.shard_batch(batch)
+        return with_attention_mask(batch)
 
     def _all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel ranks (tp ranks of one dp group hold the same value)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from portatrain.accelerators import ACCELERATORS
 from portatrain.audit.runtime import runtime_audit_problems
 from portatrain.bench import bench_problems
+from portatrain.checkpoint.staging import ASYNC_MODES
 from portatrain.compile import compile_problems
 from portatrain.config import CheckpointConfig, Config, DataConfig, TrainerConfig
 from portatrain.data.config import config_problems as data_problems
@@ -19,6 +20,7 @@ from portatrain.dtypes import dtype_problem
 from portatrain.errors import ConfigError
 from portatrain.evaluation.tasks import eval_problems
 from portatrain.export import export_problems
+from portatrain.finetune import finetune_problems
 from portatrain.kernels import config_problems as kernel_problems
 from portatrain.losses import loss_problems
 from portatrain.metrics import metrics_problems
@@ -48,6 +50,7 @@ def config_problems(cfg: Config) -> list[str]:
     problems += model_problems(cfg.model)
     problems += optim_problems(cfg.optim)
     problems += trainer_problems(cfg.trainer)
+    problems += finetune_problems(cfg.finetune, cfg.model, cfg.data, cfg.compile)
     problems += checkpoint_problems(cfg.checkpoint)
     problems += compile_problems(cfg.compile)
     problems += kernel_problems(list(cfg.kernels.enabled), cfg.device.type)
@@ -148,6 +151,10 @@ def checkpoint_problems(checkpoint: CheckpointConfig) -> list[str]:
         problems.append(f"checkpoint.every={checkpoint.every} must be >= 0 (0 saves only at the end)")
     if checkpoint.keep < 0:
         problems.append(f"checkpoint.keep={checkpoint.keep} must be >= 0 (0 keeps every checkpoint)")
+    if checkpoint.async_mode not in ASYNC_MODES:
+        problems.append(
+            f"checkpoint.async_mode={checkpoint.async_mode!r} is not one of {', '.join(ASYNC_MODES)}"
+        )
     return problems
 
 

@@ -29,6 +29,11 @@ both off by default and free when off:
     recompiles are dynamo's process-wide records, read as differences, on any device. The first
     occurrence of each kind is also logged once, with its Python stack.
 
+    On the sim the audit also takes an op census: every operator that reached the device in the
+    windows, with its first location (:meth:`RuntimeAudit.summary`'s ``ops`` and ``ops_first``). With
+    an op-coverage profile in force (``SIM_OP_PROFILE``, :mod:`portatrain.accelerators.sim.op_profiles`;
+    the summary's ``profile``) the operators outside it are the ``fallback:<op>`` offences.
+
 ``audit.nonfinite=true``
     A debugging mode: a forward hook on every module checks its outputs and a gradient hook every
     parameter's accumulated gradient, and the first NaN/inf stops the run with
@@ -149,6 +154,12 @@ class RuntimeAudit:
         self._left_out: tuple[Counter[str], int, int] = (Counter(), 0, 0)  # dynamo records of paused blocks
         self._fallbacks_so_far: dict[str, int] = {}  # the vendor's report, read before a paused block
         self._hooks: list[Any] = []
+        self.ops: Counter[str] = Counter()
+        """The op census on the sim: operator -> calls in the run's windows."""
+        self.ops_first: dict[str, str] = {}
+        """Operator -> ``file:line in function`` of its first call in a window."""
+        if self.enabled and self.simulated:
+            counters.set_census(True)
         if audit_cfg.nonfinite:
             self._hooks = _install_nonfinite_hooks(model, self)
 
@@ -217,6 +228,10 @@ class RuntimeAudit:
         if self.simulated:
             counts = counters.take()
             offences, stacks = counts.offences(), counts.first_stacks
+            self.ops.update(counts.ops)
+            for op in counts.ops:
+                if op not in self.ops_first and f"op:{op}" in stacks:
+                    self.ops_first[op] = first_location(stacks[f"op:{op}"])
             record["audit_host_syncs"] = counts.total_syncs
             record["audit_cpu_fallbacks"] = counts.total_fallbacks
             record["audit_mixed_device"] = sum(counts.mixed_device.values())
@@ -276,6 +291,9 @@ class RuntimeAudit:
             "graphs": total("audit_graphs"),
             "offences": dict(sorted(offences.items())),
             "first": first,
+            "profile": _profile_name() if self.simulated else None,
+            "ops": dict(sorted(self.ops.items())),
+            "ops_first": dict(sorted(self.ops_first.items())),
             "first_stacks": dict(self.first_stacks),
             "per_window": [
                 {
@@ -297,6 +315,14 @@ class RuntimeAudit:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if self.enabled and self.simulated:
+            counters.set_census(False)
+
+
+def _profile_name() -> str | None:
+    """The sim's op-coverage profile in force (None: every op native)."""
+    profile = counters.active_profile()
+    return profile.name if profile is not None else None
 
 
 # -- audit.nonfinite -------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ One module per concern:
   last K, and loads one back -- into the same or a different number of ranks (FSDP2 DTensors are
   resharded by DCP's planner); :func:`complete_checkpoints`, :func:`read_trainer_state` and
   :func:`inspect_checkpoint` find and check checkpoints without reading their tensors;
+- ``staging.py`` -- ``checkpoint.async_mode=thread|process``: the staging copy (reused host buffers,
+  pinned on CUDA) that DCP's ``async_save`` writes in the background while training goes on;
 - ``resume.py`` -- the resume policy: :func:`resolve_resume` turns ``checkpoint.resume``
   (``none``/``auto``/a path) into a directory and refuses to start a new run over another run's
   checkpoints; :func:`load_dataloader_state` continues the data order;
@@ -48,6 +50,9 @@ existing ``step_<N>`` (broken, or left by a run rolled back past it) is replaced
 renamed ``step_<N>.old``, the new one renamed in, the old one deleted -- and rotation renames a
 checkpoint ``step_<N>.deleting`` before deleting it, so no half-deleted ``step_<N>`` is ever seen.
 A failed save (disk full...) removes its partial files and raises a ``CheckpointError`` on every rank.
+An asynchronous save keeps all of this: it writes the same ``.tmp`` directory in the background and
+is renamed in (and only then logged "saved") once every rank's write is done; one save is in flight
+at most, and a failure is raised where the loop next waits for it (the next save, or the end).
 """
 
 from __future__ import annotations

@@ -15,11 +15,14 @@ import dataclasses
 import json
 import logging
 import shutil
+import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from portatrain.checkpoint.common import (
@@ -132,9 +135,31 @@ class Checkpointer:
     """
 
     def __init__(
-        self, folder: Path, *, keep: int, is_main: bool, every: int = 0, checksums: bool = True
+        self,
+        folder: Path,
+        *,
+        keep: int,
+        is_main: bool,
+        every: int = 0,
+        checksums: bool = True,
+        async_mode: str = "none",
     ) -> None:
         self.folder = Path(folder)
+        self.async_mode = async_mode
+        """``none``, ``thread`` or ``process`` (``portatrain.checkpoint.staging``): with the latter two,
+        :meth:`save` returns once the state is staged and the write goes on in the background."""
+        self.blocked_s = 0.0
+        """Seconds the caller spent inside :meth:`save` and :meth:`wait` (the loop's cost of checkpoints)."""
+        self._in_flight: Future | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._stager: Any = None
+        self._group: Any = None
+        if async_mode == "process":
+            from portatrain.checkpoint.staging import spawn_problem
+
+            problem = spawn_problem()
+            if problem is not None:
+                raise CheckpointError(problem)
         self.keep = keep
         """Complete checkpoints kept after a save; <= 0 keeps all."""
         self.every = every
@@ -177,7 +202,65 @@ class Checkpointer:
         ``step_<M>.superseded``, so ``checkpoint.resume=auto`` never picks them. Rotation renames a
         checkpoint to ``step_<M>.deleting`` before deleting it: a kill mid-deletion leaves no
         half-deleted ``step_<M>``.
+
+        With ``async_mode`` ``thread`` or ``process``, it first waits for the save in flight, then
+        returns once the tensors are staged: the write, the rename and rotation happen in the
+        background, and their failure is raised by the next :meth:`save` or :meth:`wait`.
         """
+        self.wait()  # at most one save in flight: this one starts when the previous is committed
+        start = time.perf_counter()
+        try:
+            return self._save(
+                step,
+                model=model,
+                optimizer=optimizer,
+                state=state,
+                dataloader_state=dataloader_state,
+                rng_state=rng_state,
+                config_yaml=config_yaml,
+            )
+        finally:
+            self.blocked_s += time.perf_counter() - start
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; raise its :class:`CheckpointError`
+        (on every rank). Collective when a save is in flight."""
+        if self._in_flight is None:
+            return
+        start = time.perf_counter()
+        future, self._in_flight = self._in_flight, None
+        try:
+            future.result()
+        finally:
+            self.blocked_s += time.perf_counter() - start
+
+    def close(self) -> None:
+        """Wait for the save in flight, then release the background thread (and DCP's checkpoint
+        process). Collective when a save is in flight."""
+        try:
+            self.wait()
+        except CheckpointError as exc:  # after fit() failed: report it, don't mask that failure
+            logger.error("%s", exc)
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown()
+                self._executor = None
+            if self.async_mode == "process":
+                from portatrain.checkpoint.staging import stop_checkpoint_process
+
+                stop_checkpoint_process()
+
+    def _save(
+        self,
+        step: int,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: Mapping[str, Any],
+        dataloader_state: Mapping[str, Any] | None,
+        rng_state: Mapping[str, Any],
+        config_yaml: str,
+    ) -> Path:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -222,24 +305,76 @@ class Checkpointer:
                 (tmp / "config.yaml").write_text(config_yaml)
         except OSError as exc:  # disk full on this rank: still join the collective save below
             error = exc
-        try:
-            # DCP writes .metadata last, on rank 0, after gathering every rank's write results; a
-            # failure on any rank is raised on every rank.
-            dcp.save(tensors, checkpoint_id=str(tmp))
-        except (Exception, dcp.CheckpointException) as exc:  # the latter is a BaseException
-            error = error or exc
-        if any_rank(error is not None):
-            self._fail(step, final, tmp, error, tensors)
+        if self.async_mode == "none":
+            try:
+                # DCP writes .metadata last, on rank 0, after gathering every rank's write results;
+                # a failure on any rank is raised on every rank.
+                dcp.save(tensors, checkpoint_id=str(tmp))
+            except (Exception, dcp.CheckpointException) as exc:  # the latter is a BaseException
+                error = error or exc
+            self._commit(step, final, tmp, error, tensors, group=None)
+            return final
+        # Asynchronous: the loop waits for the staging copy only. The write, and the commit after it
+        # (collectives on a gloo group of their own, never the loop's), run in the background.
+        staged = self._stage(tensors)
+        upload = dcp.async_save(
+            staged,
+            checkpoint_id=str(tmp),
+            process_group=self._group,
+            async_checkpointer_type=_checkpointer_type(self.async_mode),
+            async_stager=_already_staged(),
+        )
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
+        self._in_flight = self._executor.submit(self._finish, step, final, tmp, error, staged, upload)
+        return final
 
+    def _stage(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """The CPU copy DCP writes in the background (``portatrain.checkpoint.staging``)."""
+        from portatrain.checkpoint.staging import Stager
+
+        if self._stager is None:
+            process = self.async_mode == "process"
+            if process and not dist.is_initialized():
+                # DCP's checkpoint process joins a gloo group of the training ranks: a single process
+                # makes a group of one (its world size stays 1 for everything else).
+                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                # Collective (every rank saves at the same step): the background commit's own group.
+                self._group = dist.new_group(backend="gloo")
+            on_cuda = any(t.is_cuda for t in flat_tensors(tensors).values())
+            self._stager = Stager(pin_memory=on_cuda, share_memory=process)
+        return self._stager.stage(tensors)
+
+    def _finish(
+        self, step: int, final: Path, tmp: Path, error: BaseException | None, tensors: Any, upload: Future
+    ) -> None:
+        """Background: wait for DCP's write, then commit as a synchronous save does."""
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            upload.result()
+        except (Exception, dcp.CheckpointException) as exc:
+            error = error or exc
+        self._commit(step, final, tmp, error, tensors, group=self._group)
+
+    def _commit(
+        self, step: int, final: Path, tmp: Path, error: BaseException | None, tensors: Any, *, group: Any
+    ) -> None:
+        """Every rank wrote its part (or one failed: raise on all): rank 0 renames the checkpoint in
+        and rotates. Collective over ``group``."""
+        if any_rank(error is not None, group):
+            self._fail(step, final, tmp, error, tensors, group)
         if self.is_main:
             try:
                 self._publish(step, final, tmp)
             except OSError as exc:
                 error = exc
-        if any_rank(error is not None):
-            self._fail(step, final, tmp, error, tensors)
+        if any_rank(error is not None, group):
+            self._fail(step, final, tmp, error, tensors, group)
         self.last_step, self.last_verified = step, "saved"
-        return final
+        if self.is_main:
+            logger.info("saved checkpoint %s", final)
 
     def _publish(self, step: int, final: Path, tmp: Path) -> None:
         """Rank 0, once every rank has written: rename the new checkpoint in, then rotate."""
@@ -278,7 +413,13 @@ class Checkpointer:
         fsync_dir(self.folder)
 
     def _fail(
-        self, step: int, final: Path, tmp: Path, error: BaseException | None, tensors: Mapping[str, Any]
+        self,
+        step: int,
+        final: Path,
+        tmp: Path,
+        error: BaseException | None,
+        tensors: Mapping[str, Any],
+        group: Any = None,
     ) -> None:
         """Remove this save's partial files and raise one message on every rank (collective).
 
@@ -297,10 +438,10 @@ class Checkpointer:
             if previous
             else "no earlier checkpoint exists"
         )
-        if any_rank(disk_full):
+        if any_rank(disk_full, group):
             # The previous checkpoint's size when there is one (same model, same files), else the
             # bytes of the tensors being saved.
-            needed = bytes_on_disk(previous[-1]) if previous else sum_over_ranks(state_bytes(tensors))
+            needed = bytes_on_disk(previous[-1]) if previous else sum_over_ranks(state_bytes(tensors), group)
             free = free_bytes(self.folder)
             raise CheckpointError(
                 f"no space left on device while saving checkpoint step {step} into {self.folder}: a "
@@ -418,6 +559,18 @@ def load_model_weights(path: Path, model: nn.Module) -> dict[str, Any]:
     except (Exception, dcp.CheckpointException) as exc:
         raise _unreadable(path, exc) from None
     return state
+
+
+def _checkpointer_type(async_mode: str) -> Any:
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    return AsyncCheckpointerType.PROCESS if async_mode == "process" else AsyncCheckpointerType.THREAD
+
+
+def _already_staged() -> Any:
+    from portatrain.checkpoint.staging import AlreadyStaged
+
+    return AlreadyStaged()
 
 
 def _read_loader_state(path: Path, rank: int) -> dict[str, Any] | None:

@@ -100,12 +100,13 @@ def remove_leftovers(folder: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def any_rank(flag: bool) -> bool:
-    """Whether ``flag`` is true on any rank (collective; one tiny all-gather, once per save)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def any_rank(flag: bool, group: Any = None) -> bool:
+    """Whether ``flag`` is true on any rank of ``group`` (default: all; collective; one tiny
+    all-gather, once per save)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return flag
-    flags: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, bool(flag))
+    flags: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(flags, bool(flag), group=group)
     return any(flags)
 
 
@@ -122,12 +123,13 @@ def root_causes(error: BaseException) -> list[BaseException]:
     return causes
 
 
-def sum_over_ranks(value: int) -> int:
-    """``value`` summed over every rank (collective; a tiny all-gather, used on error paths only)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def sum_over_ranks(value: int, group: Any = None) -> int:
+    """``value`` summed over every rank of ``group`` (collective; a tiny all-gather, used on error
+    paths only)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return value
-    values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, int(value))
+    values: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, int(value), group=group)
     return sum(values)
 
 

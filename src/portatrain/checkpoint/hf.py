@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from portatrain.checkpoint.common import CheckpointError, some
+from portatrain.finetune.lora import is_adapter_key
 
 if TYPE_CHECKING:
     from portatrain.models.spec import ModelSpec
@@ -36,7 +37,11 @@ def load_hf_weights(model: nn.Module, hf_dir: str | Path, spec: ModelSpec) -> No
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
 
     hf_dir = Path(hf_dir)
     config_file = hf_dir / "config.json"
@@ -84,7 +89,10 @@ def load_hf_weights(model: nn.Module, hf_dir: str | Path, spec: ModelSpec) -> No
         metadata = reader.read_metadata()
     except Exception as exc:
         raise CheckpointError(f"model.init_from: cannot read the safetensors in {hf_dir}: {exc}") from None
-    state = spec.hf.to_hf(get_model_state_dict(model))
+    # LoRA adapters (finetune.method=lora) are not in the base model's files: they start from their init.
+    full = get_model_state_dict(model)
+    state = spec.hf.to_hf({k: v for k, v in full.items() if not is_adapter_key(k)})
+    adapted = len(state) < len(full)
     available = metadata.state_dict_metadata
     missing = [k for k in state if k not in available]
     untie = missing == ["lm_head.weight"] and "model.embed_tokens.weight" in available
@@ -111,7 +119,7 @@ def load_hf_weights(model: nn.Module, hf_dir: str | Path, spec: ModelSpec) -> No
         raise CheckpointError(
             f"model.init_from: reading {hf_dir} failed: {type(exc).__name__}: {exc}"
         ) from exc
-    set_model_state_dict(model, spec.hf.from_hf(state))
+    set_model_state_dict(model, spec.hf.from_hf(state), options=StateDictOptions(strict=not adapted))
 
 
 def _check_hf_args(config_file: Path, spec: ModelSpec, theirs: Any, ours: Any) -> None:

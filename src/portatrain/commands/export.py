@@ -5,7 +5,7 @@ from __future__ import annotations
 from portatrain.commands import CommandContext
 from portatrain.config import Config
 
-SHORTHANDS = {"checkpoint": "export.checkpoint", "out": "export.out"}
+SHORTHANDS = {"checkpoint": "export.checkpoint", "out": "export.out", "merge_lora": "export.merge_lora"}
 """``checkpoint`` alone would select a file of the ``checkpoint`` config group."""
 
 

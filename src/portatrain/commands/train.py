@@ -14,6 +14,9 @@ def run(cfg: Config, ctx: CommandContext) -> None:
     from portatrain.rundir import discard_unsaved_run
     from portatrain.trainer import Trainer
 
+    if ctx.trainer_cls is None and cfg.finetune.method == "dpo":
+        from portatrain.dpo_trainer import DPOTrainer as Trainer  # preference pairs, DPO's step
+
     run_dir = Path(cfg.run_dir)
     fresh = not run_dir.is_dir() or not any(run_dir.iterdir())
     try:

@@ -4,7 +4,7 @@
   checkpoint records (``trainer_state.json``, as ``portatrain export`` reads them), built on meta,
   parallelized by the family's plan over the configured layout (``parallel.*``, under torchrun as
   for training; no compilation: lm-eval's requests come in every length), materialized on the
-  device and loaded with the model's weights only (``load_model_weights``: resharded by DCP,
+  device (a LoRA fine-tune with its adapters) and loaded with the model's weights only (``load_model_weights``: resharded by DCP,
   checksummed, no optimizer state);
 - :func:`harness_lm` -- a :class:`~portatrain.evaluation.lm.PortatrainLM` over any such model (the
   Trainer's own between steps), in eval mode, without gradients, under the run's autocast.
@@ -15,13 +15,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from portatrain.config import Config, EvalConfig
+from portatrain.config import Config, EvalConfig, LoraConfig
 
 
 @dataclass
@@ -50,6 +51,7 @@ def load_checkpoint_model(cfg: Config, checkpoint: Path) -> CheckpointModel:
     from portatrain.data.tokenizer import build_tokenizer
     from portatrain.distributed import dist_info_from_env, init_distributed
     from portatrain.dtypes import dtype_from_name
+    from portatrain.finetune.lora import apply_lora
     from portatrain.models import SPECS, moe_dispatch
     from portatrain.models.common.moe import configure_moe
     from portatrain.parallel import ParallelDims, parallelize_model
@@ -81,8 +83,19 @@ def load_checkpoint_model(cfg: Config, checkpoint: Path) -> CheckpointModel:
         capacity_factor=cfg.model.capacity_factor,
         aux_loss_scale=0.0,
     )
+    lora = state.get("lora")  # a LoRA fine-tune: its adapters, added as training added them
     model = parallelize_model(
-        model, spec.parallelize, dims, cfg.parallel, compile_block=None, compute_dtype=dtype
+        model,
+        spec.parallelize,
+        dims,
+        cfg.parallel,
+        compile_block=None,
+        compute_dtype=dtype,
+        adapt=partial(
+            apply_lora, cfg=LoraConfig(rank=lora["rank"], alpha=lora["alpha"], targets=lora["modules"])
+        )
+        if lora
+        else None,
     )
     model.to_empty(device=accelerator.device)
     with torch.no_grad():

@@ -11,12 +11,22 @@ repeats the heads itself, so results never depend on the backend.
 With a mask (the packing collator's block-diagonal causal mask), k/v heads are repeated explicitly
 (:func:`repeat_kv`): CUDA's fused kernels accept ``enable_gqa`` only without an explicit mask and
 would otherwise fall back to the math kernel, materializing ``S x S`` scores.
+
+The mask may instead be an :data:`AttentionFn`, a callable that computes the attention itself: the
+seam through which context parallelism (``portatrain.parallel.context``) attends a rank's sequence
+shard over the whole row's keys, with no parallel code in the model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float | None], torch.Tensor]
+"""``attention(q, k, v, scale) -> out`` (``scale`` None: SDPA's default), given where a mask would go:
+replaces the causal attention below."""
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -32,16 +42,19 @@ def causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    attn_mask: torch.Tensor | None,
+    attn_mask: torch.Tensor | AttentionFn | None,
     scale: float | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [B, H, S, D]`` over ``k [B, H_kv, S, D]``, ``v [B, H_kv, S, D_v]`` (``H`` a
     multiple of ``H_kv``; ``D_v`` may differ from ``D``, as in latent attention).
 
     ``attn_mask``: ``None`` for plain causal attention, else a boolean ``[B, 1, S, S]`` mask, ``True``
-    where a query may attend to a key, which must already include causality. Scaled by ``scale``,
-    default ``1/sqrt(D)`` (SDPA's). Returns ``[B, H, S, D_v]``.
+    where a query may attend to a key, which must already include causality, or an
+    :data:`AttentionFn` that attends itself. Scaled by ``scale``, default ``1/sqrt(D)`` (SDPA's).
+    Returns ``[B, H, S, D_v]``.
     """
+    if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
+        return attn_mask(q, k, v, scale)
     if attn_mask is None:
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]

@@ -54,6 +54,7 @@ class Parallelize(Protocol):
         compile_block: CompileBlock | None,
         param_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
+        adapt: Callable[[nn.Module], None] | None = None,
     ) -> nn.Module: ...
 
 

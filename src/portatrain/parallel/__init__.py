@@ -20,7 +20,7 @@ from torch import nn
 from portatrain.config import ParallelConfig
 from portatrain.dtypes import dtype_from_name
 from portatrain.parallel.parallel_dims import ParallelDims, expected_world_size
-from portatrain.parallel.utils import clip_grad_norm_, dp_all_reduce, full_tensor_init
+from portatrain.parallel.utils import clip_grad_norm_, dp_all_reduce, full_tensor_init, token_all_reduce
 
 __all__ = [
     "ParallelDims",
@@ -29,6 +29,7 @@ __all__ = [
     "expected_world_size",
     "full_tensor_init",
     "parallelize_model",
+    "token_all_reduce",
 ]
 
 
@@ -40,13 +41,15 @@ def parallelize_model(
     *,
     compile_block: Callable[[nn.Module], nn.Module] | None,
     compute_dtype: torch.dtype,
+    adapt: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Apply a family's plan (``spec.parallelize``) with the settings of ``parallel_cfg``.
 
     FSDP2's parameter dtype defaults to the run's compute dtype (``trainer.dtype``: bf16 on
     accelerators, fp32 on CPU); ``parallel.param_dtype`` overrides it. Gradients are reduced in
     ``parallel.reduce_dtype`` (fp32 by default). ``compile_block`` compiles one block in place
-    (``portatrain.compile.block_compiler``), or is None when compilation is off.
+    (``portatrain.compile.block_compiler``), or is None when compilation is off. ``adapt`` changes
+    the model after tensor parallel (LoRA's adapters), or is None.
     """
     par = parallel_cfg
     return parallelize(
@@ -56,4 +59,5 @@ def parallelize_model(
         compile_block=compile_block,
         param_dtype=dtype_from_name(par.param_dtype) if par.param_dtype else compute_dtype,
         reduce_dtype=dtype_from_name(par.reduce_dtype),
+        **({"adapt": adapt} if adapt is not None else {}),
     )

@@ -2,13 +2,16 @@
 
 What this file does:
 
-* :class:`ParallelDims` -- the degrees ``dp_replicate x dp_shard x tp`` resolved against a world size
-  (``dp_shard=-1`` takes whatever the other degrees leave), and the expert-parallel degree ``ep``
+* :class:`ParallelDims` -- the degrees ``dp_replicate x dp_shard x cp x tp`` resolved against a world
+  size (``dp_shard=-1`` takes whatever the other degrees leave), and the expert-parallel degree ``ep``
   taken from the ``dp_shard`` ranks, checked before anything is built: every problem is reported at
   once, with the numbers and the fix, as a :class:`~portatrain.errors.ConfigError`.
-* :meth:`ParallelDims.build_mesh` -- one 3-D mesh ``("dp_replicate", "dp_shard", "tp")`` on the
+* :meth:`ParallelDims.build_mesh` -- one 4-D mesh ``("dp_replicate", "dp_shard", "cp", "tp")`` on the
   accelerator's device type, plus the flattened ``"dp"`` dimension (``dp_replicate * dp_shard``
-  ranks that see different data) used by the data loader and the loss/metric all-reduces; with
+  ranks that read different rows) used by the data loader and the token counts; with ``cp > 1``
+  (context parallel, ``portatrain.parallel.context``: the ``cp`` ranks split each row's positions)
+  also ``"dp_shard_cp"``, the ranks FSDP2 shards parameters over (torchtitan folds cp into FSDP the
+  same way), and ``"dp_cp"``, the ranks holding different tokens (loss sums, routing statistics); with
   ``ep > 1`` also the expert mesh ``("dp_replicate", "efsdp", "ep", "tp")``, the same ranks with
   ``dp_shard`` split into ``dp_shard / ep`` x ``ep`` (torchtitan's ``dp_shard_mod_ep`` x
   ``dp_shard_in_ep``, ``torchtitan/distributed/parallel_dims.py``).
@@ -18,7 +21,7 @@ What this file does:
 * :func:`parallel_problems` -- the parallel stage's part of config validation (``portatrain.validate``):
   dtypes, scheduler, layout against the world size, the model's heads and the rows' lengths.
 
-Rank order is row-major over ``(dp_replicate, dp_shard, tp)``: tp is the fastest-varying dimension,
+Rank order is row-major over ``(dp_replicate, dp_shard, cp, tp)``: tp is the fastest-varying dimension,
 so a tp group is ``tp`` consecutive ranks -- on one host when ``tp <= procs_per_node``, where
 tensor-parallel traffic (two collectives per block, forward and backward) stays on the fast links.
 
@@ -39,7 +42,7 @@ from portatrain.errors import ConfigError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
+MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
 EXPERT_MESH_DIM_NAMES = ("dp_replicate", "efsdp", "ep", "tp")
 
 
@@ -58,18 +61,24 @@ class ParallelDims:
     world_size: int
     ep: int = 1
     """Expert-parallel degree, a divisor of ``dp_shard`` (experts split over ``ep`` of its ranks)."""
+    cp: int = 1
+    """Context-parallel degree: each row's positions are split over ``cp`` ranks."""
     mesh: DeviceMesh | None = field(default=None, repr=False)
     """The world mesh, set by :meth:`build_mesh`; None on a single process."""
     expert_mesh: DeviceMesh | None = field(default=None, repr=False)
     """The same ranks as ``("dp_replicate", "efsdp", "ep", "tp")``, set by :meth:`build_mesh` when ``ep > 1``."""
     _dp_mesh: DeviceMesh | None = field(default=None, repr=False)
+    _dp_shard_cp_mesh: DeviceMesh | None = field(default=None, repr=False)
+    _dp_cp_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        problems = layout_problems(self.dp_replicate, self.dp_shard, self.tp, self.world_size, self.ep)
+        problems = layout_problems(
+            self.dp_replicate, self.dp_shard, self.tp, self.world_size, self.ep, cp=self.cp
+        )
         if problems:
             raise ConfigError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
         if self.dp_shard == -1:
-            self.dp_shard = self.world_size // (self.dp_replicate * self.tp)
+            self.dp_shard = self.world_size // (self.dp_replicate * self.cp * self.tp)
 
     @classmethod
     def from_config(cls, parallel_cfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -80,6 +89,7 @@ class ParallelDims:
             tp=int(parallel_cfg.tp),
             world_size=int(world_size),
             ep=int(parallel_cfg.ep),
+            cp=int(parallel_cfg.cp),
         )
 
     # -- degrees ---------------------------------------------------------------------------
@@ -98,10 +108,14 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        """FSDP2 is applied whenever ranks hold different data: sharded over ``dp_shard`` and, with
-        ``dp_replicate > 1``, replicated over ``dp_replicate`` (HSDP; pure replication when
-        ``dp_shard == 1``)."""
-        return self.dp_enabled
+        """FSDP2 is applied whenever ranks hold different data: sharded over ``dp_shard`` (times
+        ``cp``) and, with ``dp_replicate > 1``, replicated over ``dp_replicate`` (HSDP; pure
+        replication when ``dp_shard * cp == 1``)."""
+        return self.dp_enabled or self.cp_enabled
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -113,8 +127,9 @@ class ParallelDims:
 
     def describe(self) -> str:
         experts = f" (experts over ep={self.ep} of the dp_shard ranks)" if self.ep_enabled else ""
+        cp = f" x cp={self.cp}" if self.cp_enabled else ""
         return (
-            f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
+            f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}{cp} x tp={self.tp} "
             f"= {self.world_size} device{'s' if self.world_size != 1 else ''}{experts}"
         )
 
@@ -133,11 +148,14 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(
-            device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIM_NAMES
+            device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp), mesh_dim_names=MESH_DIM_NAMES
         )
         # Flatten now, on every rank (creating a group is collective), and keep the handle: torch
         # deprecates slicing a flattened dimension back out of the root mesh.
         self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        if self.cp_enabled:
+            self._dp_shard_cp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            self._dp_cp_mesh = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
         self.mesh = mesh
         if self.ep_enabled:
             # A second mesh over the same ranks, dp_shard split row-major into (efsdp, ep): dp_shard
@@ -163,9 +181,22 @@ class ParallelDims:
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
-        """The mesh FSDP2 shards over: ``dp_shard``, or ``(dp_replicate, dp_shard)`` for HSDP."""
+        """The mesh FSDP2 shards over: ``dp_shard`` (``dp_shard_cp`` with context parallel), or
+        ``(dp_replicate, dp_shard[_cp])`` for HSDP."""
         mesh = self._require_mesh()
-        return mesh["dp_replicate", "dp_shard"] if self.dp_replicate_enabled else mesh["dp_shard"]
+        if not self.cp_enabled:
+            return mesh["dp_replicate", "dp_shard"] if self.dp_replicate_enabled else mesh["dp_shard"]
+        return mesh["dp_replicate", "dp_shard_cp"] if self.dp_replicate_enabled else self._dp_shard_cp_mesh
+
+    @property
+    def cp_mesh(self) -> DeviceMesh:
+        """The ``cp`` ranks that split one row's positions between them."""
+        return self._require_mesh()["cp"]
+
+    @property
+    def loss_mesh(self) -> DeviceMesh | None:
+        """The ranks holding different tokens (``dp`` times ``cp``): loss sums, routing statistics."""
+        return self._dp_cp_mesh if self.cp_enabled else self._dp_mesh
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -194,11 +225,13 @@ class ParallelDims:
         return 0 if self._dp_mesh is None else self._dp_mesh.get_local_rank()
 
 
-def layout_problems(dp_replicate: int, dp_shard: int, tp: int, world_size: int, ep: int = 1) -> list[str]:
-    """Every reason ``dp_replicate x dp_shard x tp`` (experts over ``ep`` of the ``dp_shard`` ranks)
-    cannot run on ``world_size`` ranks, each with a fix."""
+def layout_problems(
+    dp_replicate: int, dp_shard: int, tp: int, world_size: int, ep: int = 1, *, cp: int = 1
+) -> list[str]:
+    """Every reason ``dp_replicate x dp_shard x cp x tp`` (experts over ``ep`` of the ``dp_shard``
+    ranks) cannot run on ``world_size`` ranks, each with a fix."""
     problems = []
-    for name, value in (("dp_replicate", dp_replicate), ("tp", tp), ("ep", ep)):
+    for name, value in (("dp_replicate", dp_replicate), ("tp", tp), ("ep", ep), ("cp", cp)):
         if value < 1:
             problems.append(f"parallel.{name}={value} must be >= 1")
     if dp_shard == 0 or dp_shard < -1:
@@ -207,29 +240,36 @@ def layout_problems(dp_replicate: int, dp_shard: int, tp: int, world_size: int, 
         problems.append(f"world size {world_size} must be >= 1")
     if problems:
         return problems  # the arithmetic below needs sane degrees
+    if ep > 1 and cp > 1:
+        problems.append(
+            f"parallel.ep={ep} with parallel.cp={cp}: expert parallel and context parallel do not combine "
+            "yet; set parallel.ep=1 (FSDP2 still shards the experts) or parallel.cp=1"
+        )
 
+    cp_term = f" * cp({cp})" if cp > 1 else ""
     if dp_shard == -1:
-        others = dp_replicate * tp
+        others = dp_replicate * cp * tp
         if world_size % others:
             fits = others * max(1, world_size // others)
             problems.append(
-                f"dp_replicate({dp_replicate}) * tp({tp}) = {others} does not divide world size "
+                f"dp_replicate({dp_replicate}){cp_term} * tp({tp}) = {others} does not divide world size "
                 f"{world_size}, so parallel.dp_shard=-1 cannot be inferred; launch a multiple of "
                 f"{others} processes (e.g. {fits}) or change parallel.dp_replicate/parallel.tp"
+                + ("/parallel.cp" if cp > 1 else "")
             )
             return problems
         return problems + _ep_problems(ep, world_size // others, inferred=True)
 
-    product = dp_replicate * dp_shard * tp
+    product = dp_replicate * dp_shard * cp * tp
     if product != world_size:
         fixes = []
-        others = dp_replicate * tp
+        others = dp_replicate * cp * tp
         if world_size % others == 0:
             fixes.append(f"set parallel.dp_shard={world_size // others} (or -1 to infer it)")
         fixes.append(f"launch {product} processes")
         problems.append(
-            f"dp_replicate({dp_replicate}) * dp_shard({dp_shard}) * tp({tp}) = {product} != world size "
-            f"{world_size}; {' or '.join(fixes)}"
+            f"dp_replicate({dp_replicate}) * dp_shard({dp_shard}){cp_term} * tp({tp}) = {product} != world "
+            f"size {world_size}; {' or '.join(fixes)}"
         )
     return problems + _ep_problems(ep, dp_shard, inferred=False)
 
@@ -280,8 +320,8 @@ def expected_world_size(parallel_cfg: ParallelConfig, *, dry_run: bool = False) 
     launched = par.launch.nodes * par.launch.procs_per_node
     if dry_run:
         if par.dp_shard > 0:
-            return par.dp_replicate * par.dp_shard * par.tp
-        return max(launched, par.dp_replicate * par.tp)
+            return par.dp_replicate * par.dp_shard * par.cp * par.tp
+        return max(launched, par.dp_replicate * par.cp * par.tp)
     return launched
 
 
@@ -326,7 +366,7 @@ def parallel_problems(
             problems.append(f"parallel.launch.{name}={getattr(launch, name)} must be >= 1")
     if problems:
         return problems
-    problems += layout_problems(par.dp_replicate, par.dp_shard, par.tp, world_size, par.ep)
+    problems += layout_problems(par.dp_replicate, par.dp_shard, par.tp, world_size, par.ep, cp=par.cp)
     if par.tp > 1:
         if model_args is not None:
             a = model_args
@@ -337,4 +377,8 @@ def parallel_problems(
                 f"{row_key} has row length(s) {uneven} not divisible by parallel.tp={par.tp}; sequence "
                 f"parallel splits each row over the tp ranks: use multiples of {par.tp}"
             )
+    if par.cp > 1:
+        from portatrain.parallel.context import context_problems
+
+        problems += context_problems(par.cp, par.tp, row_lengths, row_key)
     return problems

@@ -6,7 +6,8 @@ What this file does:
   parameter exactly the values a single-device run draws, whatever the layout.
 * :func:`clip_grad_norm_` -- global gradient-norm clipping over FSDP, TP and FSDP x TP gradients
   (and plain tensors), returning the norm as a plain tensor equal on every rank.
-* :func:`dp_all_reduce` -- sum or mean of a scalar over the data-parallel ranks.
+* :func:`dp_all_reduce` -- sum or mean of a scalar over the data-parallel ranks; :func:`token_all_reduce`
+  -- sum over the ranks holding different tokens (data- times context-parallel).
 """
 
 from __future__ import annotations
@@ -77,10 +78,12 @@ class _FullTensorRandomInit(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _VALUE_READS and args and isinstance(args[0], DTensor):
             return func(args[0].full_tensor(), *args[1:], **kwargs)
-        if func in _RANDOM_INPLACE and args and isinstance(args[0], DTensor):
-            target: DTensor = args[0]
+        # ``torch.nn.init`` functions hand their tensor over as the keyword ``tensor``, methods as args[0].
+        target = args[0] if args else kwargs.get("tensor")
+        if func in _RANDOM_INPLACE and isinstance(target, DTensor):
             full = torch.empty(target.shape, dtype=target.dtype, device=target.device)
-            func(full, *args[1:], **kwargs)  # re-enters this mode with a plain tensor: runs as is
+            # re-enters this mode with a plain tensor: runs as is
+            func(full, *args[1:], **kwargs) if args else func(**{**kwargs, "tensor": full})
             shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
             target.to_local().copy_(shard.to_local())
             return target
@@ -141,10 +144,19 @@ def clip_grad_norm_(
 def dp_all_reduce(value: torch.Tensor, parallel_dims: ParallelDims | None, op: str = "sum") -> torch.Tensor:
     """``op`` (``sum`` or ``mean``) of ``value`` over the data-parallel ranks; identity on one rank.
 
-    Tensor-parallel ranks of one data-parallel group hold the same value (same rows), so reducing
-    over ``dp`` alone counts every row once.
+    Tensor-parallel (and context-parallel) ranks of one data-parallel group read the same rows, so
+    reducing over ``dp`` alone counts every row once.
     """
-    mesh = None if parallel_dims is None else parallel_dims.dp_mesh
+    return _all_reduce(value, None if parallel_dims is None else parallel_dims.dp_mesh, op)
+
+
+def token_all_reduce(value: torch.Tensor, parallel_dims: ParallelDims | None) -> torch.Tensor:
+    """Sum of ``value`` over the ranks holding different tokens: ``dp`` times ``cp`` (context-parallel
+    ranks hold different positions of one row). For loss sums and per-token statistics."""
+    return _all_reduce(value, None if parallel_dims is None else parallel_dims.loss_mesh, "sum")
+
+
+def _all_reduce(value: torch.Tensor, mesh: Any, op: str) -> torch.Tensor:
     if mesh is None or mesh.size() == 1:
         return value
     out = value.detach().clone()

@@ -6,6 +6,9 @@ it. One module per concern, in the order a report is made:
 * :mod:`.evidence` -- gathering: the static audit of the code in use, a runtime-audit training run,
   parity against the fp32 CPU reference and a bench, each one of portatrain's own commands run in
   this process (:class:`Evidence`, and the :class:`Commands` that reproduce each piece);
+* :mod:`.coverage` -- the evidence beside the checklist: operators that fell back under each op-coverage
+  profile (on the sim, one runtime-audit run per profile), static findings by rule, and the plan on
+  the device (mixture-of-experts dispatch, pipeline schedule);
 * :mod:`.verdicts` -- judging: the checklist (:data:`LEVELS`, one judge per item) applied to the
   evidence, pure (:func:`checklist`, :func:`level_verdicts`);
 * :mod:`.render` -- rendering: the Markdown and JSON files (:func:`render_markdown`, :func:`write_report`);

@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 from portatrain.config import Config, ReportConfig
 from portatrain.errors import UserError
+from portatrain.report.coverage import device_plan, findings_by_rule, op_coverage
 from portatrain.report.evidence import (
     Evidence,
     bench_run,
     code_in_use,
     commands_for,
     parity_run,
+    profile_runs,
     relative_to_cwd,
     runtime_run,
     static_audit,
@@ -85,6 +87,9 @@ def build_report(
     progress(f"report: runtime audit, {cfg.report.steps} steps on {cfg.device.type}")
     _forget_compiled_graphs()
     runtime = runtime_run(cfg, trainer_cls, run_dir / "runtime")
+    if runtime.get("simulated"):
+        progress("report: runtime audit under each op-coverage profile")
+    coverage = op_coverage(profile_runs(cfg, trainer_cls, run_dir, runtime))
     progress("report: parity against the fp32 CPU reference")
     parity = parity_run(cfg, trainer_cls, run_dir)
     progress(f"report: bench, {1 + cfg.report.bench_warmup_steps + cfg.report.bench_steps} steps")
@@ -93,7 +98,9 @@ def build_report(
     # The device ran was the sim (under its own name or an impersonated one): said on every line.
     simulated = bool(runtime.get("simulated")) or (cfg.device.type == "sim" and "error" in runtime)
     device = str(runtime.get("device") or cfg.device.type)
-    evidence = Evidence(static, runtime, bench, parity, str(cfg.device.type), simulated, cfg.report, commands)
+    evidence = Evidence(
+        static, runtime, bench, parity, str(cfg.device.type), simulated, cfg.report, commands, coverage
+    )
     items = checklist(evidence)
     evidence_files = {"runtime audit": str(run_dir / "runtime" / "metrics.jsonl")}
     if "error" not in bench:
@@ -113,6 +120,9 @@ def build_report(
         "items": [asdict(i) for i in items],
         "commands": asdict(commands),
         "evidence_files": evidence_files,
+        "op_coverage": coverage,
+        "findings_by_rule": findings_by_rule(static),
+        "device_plan": device_plan(cfg),
         "static": static,
         "runtime": {k: v for k, v in runtime.items() if k != "first_stacks"},
         "parity": {k: v for k, v in parity.items() if k != "text"},

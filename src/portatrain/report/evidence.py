@@ -10,6 +10,8 @@ run in this process, and the command lines that reproduce it.
   mixed-device ops between logging steps, graph breaks, recompiles after warm-up, the batch shapes
   seen, the losses; with ``compile.enabled`` it warms up every shape first and warns instead of
   stopping on a recompile;
+* **op coverage** (:func:`profile_runs`): on the sim, the runtime-audit run once per op-coverage
+  profile with that profile in force, so the operators outside it really fall back and are counted;
 * **parity** (``portatrain parity``, :mod:`portatrain.parity`, :func:`parity_run`) against the fp32
   CPU reference;
 * **bench** (``portatrain bench``, :mod:`portatrain.bench`, :func:`bench_run`): cold start, steady
@@ -27,7 +29,8 @@ import inspect
 import io
 import json
 import logging
-from dataclasses import asdict, dataclass
+import shutil
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -102,7 +105,14 @@ def runtime_run(cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path) -
     steps = int(cfg.report.steps)
     updates: dict[str, Any] = {
         "trainer": {"steps": steps, "log_every": max(1, steps // 2), "eval_every": 0, "progress": False},
-        "checkpoint": {"enabled": False, "resume": "none"},
+        # One save mid-run, as configured (checkpoint.async_mode): what the loop waits for.
+        "checkpoint": {
+            "enabled": True,
+            "every": max(1, steps // 2),
+            "keep": 1,
+            "final": False,
+            "resume": "none",
+        },
         "audit": {"runtime": True, "nonfinite": False},
     }
     if cfg.compile.enabled:  # compile every shape first, then count what recompiles (and go on)
@@ -117,6 +127,7 @@ def runtime_run(cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path) -
             shapes.update(tuple(b["input_ids"].shape) for b in batches)
             return super().train_step(batches)
 
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # an earlier report's: a new run each time
     dynamo_before = dynamo_totals()
     trainer = None
     try:
@@ -131,6 +142,7 @@ def runtime_run(cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path) -
     breaks_after, _, graphs_after = dynamo_totals()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
+    blocked = [r["checkpoint_blocked_frac"] for r in records if "checkpoint_blocked_frac" in r]
     return {
         **trainer.runtime_audit.summary(),
         "graph_breaks_whole_run": sum((breaks_after - dynamo_before[0]).values()),
@@ -141,6 +153,8 @@ def runtime_run(cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path) -
         "trainer": f"{base.__module__}.{base.__qualname__}",
         "compile": bool(run_cfg.compile.enabled),
         "losses": losses,
+        "checkpoint_blocked_frac": blocked[-1] if blocked else None,
+        "checkpoint_async_mode": str(run_cfg.checkpoint.async_mode),
         "dtype": str(trainer.dtype).removeprefix("torch."),
         "shapes_seen": sorted([list(s) for s in shapes]),
         "shapes_configured": [list(s) for s in batch_shapes(run_cfg.data)],
@@ -159,6 +173,30 @@ def _unsupported_ops(simulated: bool) -> dict[str, str] | None:
     from portatrain.accelerators.sim import counters
 
     return counters.unsupported_ops() if simulated else None
+
+
+def profile_runs(
+    cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path, runtime: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """On the sim, the runtime-audit run once per op-coverage profile, that profile in force (so the
+    operators outside it really fall back and are counted); ``runtime``, the run already made, stands
+    for the profile it ran under. ``{}`` off the sim or when that run failed."""
+    if not runtime.get("simulated"):
+        return {}
+    from portatrain.accelerators.sim import counters, op_profiles
+
+    previous = counters.active_profile()
+    runs = {}
+    try:
+        for name, profile in op_profiles.load_all().items():
+            if runtime.get("profile") == name:
+                runs[name] = runtime
+                continue
+            counters.set_profile(profile)
+            runs[name] = runtime_run(cfg, trainer_cls, run_dir / f"runtime-{name}")
+    finally:
+        counters.set_profile(previous)
+    return runs
 
 
 def bench_run(cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path) -> dict[str, Any]:
@@ -215,6 +253,9 @@ def parity_run(cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path) ->
         "dtype": str(result.dtype).removeprefix("torch."),
         "first_divergence": None if first is None else asdict(first),
         "losses": [[s.loss_reference, s.loss_target] for s in result.steps],
+        "fallbacks": result.fallbacks,
+        "fallbacks_first": result.fallbacks_first,
+        "profile": result.profile,
         "text": result.format(),
     }
 
@@ -262,6 +303,8 @@ class Evidence:
     simulated: bool
     report_cfg: ReportConfig
     commands: Commands
+    coverage: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """On the sim: profile -> the operators that fell back under it (:func:`~.coverage.op_coverage`)."""
 
     def with_device(self, device: str) -> str:
         """The report command run on another device (where this one cannot measure something)."""

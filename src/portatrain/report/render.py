@@ -47,6 +47,7 @@ def render_markdown(document: dict[str, Any]) -> str:
             lines.append(
                 f"| {item['id']} | {item['check']} | {status}{tag} | {_cell(item['evidence'])} | `{_cell(item['command'])}` |"
             )
+    lines += _coverage_sections(document, tag)
     lines += ["", "## Evidence", ""]
     for name, where in document["evidence_files"].items():
         lines.append(f"- {name}: `{where}`{tag}")
@@ -54,6 +55,58 @@ def render_markdown(document: dict[str, Any]) -> str:
         f"- static audit: {len(document['static']['files'])} file(s): {', '.join(document['static']['paths'])}{tag}"
     )
     return "\n".join(lines) + "\n"
+
+
+def _coverage_sections(document: dict[str, Any], tag: str) -> list[str]:
+    """Operator coverage by profile, the static audit's findings by rule, the plan on the device."""
+    lines = ["", "## Operator coverage by profile", ""]
+    coverage = document.get("op_coverage") or {}
+    if not coverage:
+        lines.append("Measured on the simulated device only (device=sim): one runtime-audit run per profile.")
+    else:
+        lines += [
+            "| profile | operators | fall back | operators that fall back (calls, first at) |",
+            "| --- | --- | --- | --- |",
+        ]
+        for name, judged in coverage.items():
+            if "error" in judged:
+                lines.append(
+                    f"| {name} ({_cell(judged['backend'])}) | ? | ?{tag} | the run failed: {_cell(judged['error'])} |"
+                )
+                continue
+            shown = "; ".join(
+                f"`{op}` x{n} at {judged['first'][op]}" for op, n in judged["fallbacks"].items()
+            )
+            lines.append(
+                f"| {name} ({_cell(judged['backend'])}) | {judged['operators']} | {len(judged['fallbacks'])}{tag} "
+                f"| {_cell(shown) or 'none'} |"
+            )
+    lines += ["", "## Static audit findings by rule", ""]
+    rules = document.get("findings_by_rule") or {}
+    if not rules:
+        lines.append("No findings.")
+    else:
+        lines += ["| rule | level | findings | by severity | first at |", "| --- | --- | --- | --- | --- |"]
+        for rule, found in rules.items():
+            severity = ", ".join(f"{n} {s}" for s, n in sorted(found["severity"].items()))
+            lines.append(f"| {rule} | {found['level']} | {found['count']} | {severity} | {found['first']} |")
+    plan = document.get("device_plan") or {}
+    if plan:
+        dispatch = plan.get("moe_dispatch")
+        moe = (
+            f"`{dispatch}` (model.moe_dispatch={plan['moe_dispatch_configured']})"
+            if dispatch
+            else "dense model: no experts"
+        )
+        schedule = plan.get("pp_schedule")
+        lines += [
+            "",
+            f"## Plan on {plan['device']}",
+            "",
+            f"- mixture-of-experts dispatch: {moe}",
+            f"- pipeline schedule (parallel.pp_schedule): {f'`{schedule}`' if schedule else 'not configured'}",
+        ]
+    return lines
 
 
 def _cell(text: str) -> str:

@@ -4,7 +4,7 @@ Pure: nothing is measured here.
 
 Six levels (:data:`LEVELS`): 1 device & API portability, 2 operator & library coverage, 3 numerical
 correctness, 4 compilation & shape stability, 5 real workload performance, 6 cost & operational
-maturity; and level 0, the static audit's own extra (checkpoint safety). Nothing passes without a
+maturity; and level 0, beyond the checklist: checkpoint safety (static) and the loop's wait on saves. Nothing passes without a
 measurement: where one is missing (no counter on this device, no target set, a command not run)
 the item is ``not measured`` and names the command that would measure it. On the simulated device
 its host-sync, fallback and shape counts are real measurements of the code, while its timings are
@@ -17,6 +17,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from portatrain.report.coverage import judged_profiles
 
 if TYPE_CHECKING:
     from portatrain.report.evidence import Evidence
@@ -156,6 +158,8 @@ def _fallbacks(ev: Evidence) -> Verdict:
     if runtime["cpu_fallbacks"] is None:
         why = f"the {ev.device} adapter reports no CPU fallbacks (Accelerator.take_fallback_report)"
         return NOT_MEASURED, why, ev.with_device("sim")
+    if ev.coverage:
+        return _profile_fallbacks(ev, ev.coverage)
     if ev.simulated and not runtime.get("unsupported_ops"):
         why = (
             "the sim device marks no operation unsupported (SIM_UNSUPPORTED_OPS is empty), so none can fall "
@@ -166,6 +170,35 @@ def _fallbacks(ev: Evidence) -> Verdict:
     if ev.simulated:
         evidence += f" (ops marked unsupported: {', '.join(runtime['unsupported_ops'])})"
     return status, evidence, command
+
+
+def _profile_fallbacks(ev: Evidence, coverage: dict[str, dict[str, Any]]) -> Verdict:
+    """The sim's op census judged against the op-coverage profile(s) of the target."""
+    parts, failed = [], False
+    names = judged_profiles(ev.runtime, coverage)
+    for name in names:
+        judged = coverage[name]
+        if "error" in judged:
+            failed = True
+            parts.append(f"{name} profile: the run failed: {judged['error']}")
+            continue
+        fallbacks = judged["fallbacks"]
+        if not fallbacks:
+            parts.append(f"{name} profile: all {judged['operators']} operators run on the device")
+            continue
+        failed = True
+        shown = "; ".join(
+            f"{op} x{n}, first at {judged['first'][op]}" for op, n in list(fallbacks.items())[:3]
+        )
+        more = f"; and {len(fallbacks) - 3} more" if len(fallbacks) > 3 else ""
+        parts.append(
+            f"{name} profile: {len(fallbacks)} of {judged['operators']} operators fall back: {shown}{more}"
+        )
+    evidence = (
+        f"{ev.runtime['steps']} steps with the op-coverage "
+        f"{'profile' if len(names) == 1 else 'profiles'} {', '.join(names)} in force: " + " | ".join(parts)
+    )
+    return (FAIL if failed else PASS), evidence, f"SIM_OP_PROFILE={names[0]} {ev.commands.train}"
 
 
 def _parity(ev: Evidence) -> Verdict:
@@ -324,6 +357,26 @@ def _debuggable(ev: Evidence) -> Verdict:
     return NOT_MEASURED, evidence, f"{ev.commands.train} audit.nonfinite=true"
 
 
+CHECKPOINT_BLOCKED_MAX = 0.10
+"""The share of wall time the loop may wait on checkpoints (saving every ``report.steps // 2`` steps)."""
+
+
+@_needs_run
+def _checkpoint_wait(ev: Evidence) -> Verdict:
+    frac, mode = ev.runtime.get("checkpoint_blocked_frac"), ev.runtime.get("checkpoint_async_mode")
+    if frac is None:
+        return NOT_MEASURED, "the runtime run logged no checkpoint_blocked_frac", ev.commands.report
+    evidence = (
+        f"the loop waited on checkpoints {_percent(frac)} of its wall time (checkpoint.async_mode={mode}, "
+        f"one save mid-run; at most {_percent(CHECKPOINT_BLOCKED_MAX)})"
+    )
+    if ev.simulated:  # a save's time on the sim is the host CPU's disk and memory, not the target's
+        return NOT_MEASURED, f"{SIM_TIMINGS} ({evidence})", _on_hardware(ev.commands.report)
+    if frac <= CHECKPOINT_BLOCKED_MAX:
+        return PASS, evidence, ev.commands.report
+    return FAIL, evidence, _with(ev.commands.report, "checkpoint.async_mode=thread")
+
+
 CHECKS: tuple[tuple[int, str, str, Callable[[Evidence], Verdict]], ...] = (
     (1, "1.1", "No hard-coded CUDA device placement or CUDA-only API in the code in use", _static(1)),
     (1, "1.2", "Trains on the target device", _trains),
@@ -343,6 +396,7 @@ CHECKS: tuple[tuple[int, str, str, Callable[[Evidence], Verdict]], ...] = (
     (6, "6.2", "Spot/preemptible capacity available", _spot),
     (6, "6.3", "On-call engineers can debug failures without the vendor", _debuggable),
     (0, "0.1", "Checkpoints and configs load without unpickling code", _static(0)),
+    (0, "0.2", "The training loop waits on checkpoints for a small part of its time", _checkpoint_wait),
 )
 """(level, id, the question, its judge): the checklist, in order."""
 

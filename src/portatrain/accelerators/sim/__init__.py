@@ -12,6 +12,8 @@ Modules (importing this package installs nothing; only :func:`runtime.install` c
 * ``adapter``: :class:`SimAccelerator`, the ``device=sim`` adapter in the accelerator registry.
 * ``runtime``: :func:`install` — build or load the extension, rename PrivateUse1, ``torch.sim``.
 * ``counters``: host-sync/fallback counters, ``expect_no_sync_or_fallback()``, ``take()``.
+* ``op_profiles``: op-coverage profiles (``profiles/*.json``): which aten ops TorchTPU / torch-xla
+  run natively; the rest fall back to the CPU while one is in force.
 * ``distributed``: the ``simccl`` process-group backend (gloo over CPU aliases of device memory).
 * ``inductor``: the ``sim_inductor`` compile backend (inductor's CPU code generator on sim memory).
 * ``settings``: the device's name and its environment settings, checked before anything is installed.
@@ -21,7 +23,9 @@ Modules (importing this package installs nothing; only :func:`runtime.install` c
 
 Environment: ``SIM_DEVICE_COUNT`` (devices, 1 to 64, default 4), ``SIM_MEMORY_CAPACITY`` (per
 device, e.g. ``512MiB``; unset = unlimited), ``SIM_COUNTERS_MODE`` (``count``/``warn``/``raise``),
-``SIM_UNSUPPORTED_OPS`` and ``SIM_UNSUPPORTED_ACTION``, ``PORTATRAIN_SIM_BUILD_DIR`` (build cache).
+``SIM_UNSUPPORTED_OPS`` and ``SIM_UNSUPPORTED_ACTION``, ``SIM_OP_PROFILE`` (the op-coverage profile of
+the backend impersonated: operators outside it fall back to the CPU, :mod:`.op_profiles`),
+``PORTATRAIN_SIM_BUILD_DIR`` (build cache).
 A bad value is one error naming the variable and its fix (:mod:`.settings`).
 
 Impersonation

@@ -12,7 +12,11 @@ Every event has a key; the part before the first ``:`` is its category:
 ``sync:synchronize``                        explicit ``synchronize`` of device, stream or event
 ``mixed_device:<op>``                       op on sim tensors with a non-scalar CPU tensor, or two
                                             sim devices
-``fallback:<op>``                           op marked unsupported on the device (:func:`mark_unsupported`)
+``fallback:<op>``                           op outside the active op-coverage profile (:func:`set_profile`,
+                                            ``SIM_OP_PROFILE``) or marked unsupported (:func:`mark_unsupported`):
+                                            it really runs through ``at::native::cpu_fallback``
+``op:<op>``                                 every op reaching the device, while the census is on
+                                            (:func:`set_census`; information, never an offence)
 ``transfer:h2d``                            host-to-device copy (information, never an offence)
 ==========================================  =========================================================
 
@@ -25,6 +29,7 @@ API for the Trainer's runtime audit (one call per logged step)::
     counts = counters.take()            # snapshot since the last take()/reset(), then reset
     counts.syncs                        # {"item": 1, "d2h": 2, "data_dependent:aten::nonzero": 1}
     counts.fallbacks, counts.mixed_device  # {"aten::foo.out": 3}
+    counts.ops                          # the op census (when on): {"aten::mm.out": 12, ...}
     counts.first_stacks["sync:item"]    # Python stack of the first occurrence since the reset
     counts.offences()                   # every key except transfers; counts.format() for a log line
 
@@ -55,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from portatrain.accelerators.sim.errors import SimUnsupportedOpError
+from portatrain.accelerators.sim.op_profiles import PROFILE_ENV, OpProfile
 
 MODES = ("count", "warn", "raise")
 ACTIONS = ("count", "warn", "error")
@@ -70,6 +76,8 @@ _ext: Any = None
 _lock = threading.Lock()
 _mode = "count"
 _fallback_actions: dict[str, str] = {}
+_profile: OpProfile | None = None
+_profile_action = "count"
 _first_stacks: dict[str, str] = {}
 _scopes: list[_Scope] = []
 _pause_depth = 0
@@ -88,6 +96,8 @@ class Counts:
     mixed_device: dict[str, int] = field(default_factory=dict)
     fallbacks: dict[str, int] = field(default_factory=dict)
     transfers: dict[str, int] = field(default_factory=dict)
+    ops: dict[str, int] = field(default_factory=dict)
+    """The op census (:func:`set_census`): every op that reached the device, by name with overload."""
     first_stacks: dict[str, str] = field(default_factory=dict)
     """Key (``sync:item``) -> formatted Python stack of its first occurrence in the interval."""
 
@@ -101,6 +111,7 @@ class Counts:
                 "mixed_device": out.mixed_device,
                 "fallback": out.fallbacks,
                 "transfer": out.transfers,
+                "op": out.ops,
             }.get(category)
             if target is not None and n:
                 target[kind] = n
@@ -181,7 +192,7 @@ def _on_event(key: str, first: bool) -> str | None:
     action = _mode
     if key.startswith("fallback:"):
         op = key[len("fallback:") :]
-        marked = _fallback_actions.get(op) or _fallback_actions.get(op.split(".")[0], "count")
+        marked = _fallback_actions.get(op) or _fallback_actions.get(op.split(".")[0]) or _profile_action
         if marked == "error":
             raise SimUnsupportedOpError(_unsupported_message(key, op))
         action = {"count": "count", "warn": "warn"}[marked]
@@ -207,9 +218,14 @@ def _unsupported_message(key: str, op: str) -> str:
         if frame
         else "called during backward (no Python stack: look in the backward of the module that produced the gradient)"
     )
+    if _profile is not None and op not in _fallback_actions and op.split(".")[0] not in _fallback_actions:
+        why = f"is outside the op profile {_profile.name!r} ({PROFILE_ENV}), with the action error"
+    else:
+        why = (
+            f"is marked unsupported with the action error ({UNSUPPORTED_ENV}, {UNSUPPORTED_ACTION_ENV}=error)"
+        )
     return (
-        f"[sim] {key}: {op} is marked unsupported with the action error ({UNSUPPORTED_ENV}, "
-        f"{UNSUPPORTED_ACTION_ENV}=error) and was {where}; avoid the op there, or set "
+        f"[sim] {key}: {op} {why} and was {where}; avoid the op there, or set "
         f"{UNSUPPORTED_ACTION_ENV}=count (or warn) to count its CPU fallbacks and go on"
     )
 
@@ -222,9 +238,15 @@ def _attach(ext: Any) -> None:
     # An unsupported op under the action error raises SimUnsupportedOpError (a UserError) from
     # inside the op; the extension lets UserErrors through with their type.
     set_mode(os.environ.get(MODE_ENV, "count"))
+    action = os.environ.get(UNSUPPORTED_ACTION_ENV, "count")
     ops = [op.strip() for op in os.environ.get(UNSUPPORTED_ENV, "").split(",") if op.strip()]
     if ops:
-        mark_unsupported(ops, os.environ.get(UNSUPPORTED_ACTION_ENV, "count"))
+        mark_unsupported(ops, action)
+    profile = os.environ.get(PROFILE_ENV, "")
+    if profile not in ("", "none"):
+        from portatrain.accelerators.sim import op_profiles
+
+        set_profile(op_profiles.load(profile), action)
     import atexit
 
     # Drop the callback before the interpreter goes away: a late op must not call into a dead Python.
@@ -233,7 +255,12 @@ def _attach(ext: Any) -> None:
 
 def _sync_notify() -> None:
     if _ext is not None:
-        needs_all = bool(_scopes) or _mode != "count" or any(a != "count" for a in _fallback_actions.values())
+        needs_all = (
+            bool(_scopes)
+            or _mode != "count"
+            or _profile_action != "count"
+            or any(a != "count" for a in _fallback_actions.values())
+        )
         _ext.set_notify_all(needs_all)
 
 
@@ -266,6 +293,32 @@ def mark_unsupported(ops: Iterable[str], action: str = "count") -> None:
     if _ext is not None:
         _ext.set_unsupported(ops)
     _sync_notify()
+
+
+def set_profile(profile: OpProfile | None, action: str = "count") -> None:
+    """Make ``profile`` the device's op coverage: every other aten op falls back to the CPU and counts
+    as ``fallback:<op>`` with ``action`` (``count``, ``warn``, ``error``: the backend rejects it).
+    None: no profile, every op native. Ops :func:`mark_unsupported` lists fall back either way."""
+    global _profile, _profile_action
+    if action not in ACTIONS:
+        raise ValueError(f"unsupported-op action {action!r} is not one of {', '.join(ACTIONS)}")
+    _profile, _profile_action = profile, action
+    if _ext is not None:
+        _ext.set_leaf_ops([])  # the previous profile's first: leaf_composites() skips registered ops
+        _ext.set_leaf_ops(profile.leaf_composites() if profile is not None else [])
+        _ext.set_native(sorted(profile.native) if profile is not None else None)
+    _sync_notify()
+
+
+def active_profile() -> OpProfile | None:
+    """The op-coverage profile in force (None: every op runs natively)."""
+    return _profile
+
+
+def set_census(on: bool) -> None:
+    """Count every op that reaches the device as ``op:<op>`` (the runtime audit turns it on)."""
+    if _ext is not None:
+        _ext.set_census(on)
 
 
 def unsupported_ops() -> dict[str, str]:

@@ -10,11 +10,12 @@ variable, what it accepts and the fix -- not a failed build, and not a half-inst
 ``SIM_COUNTERS_MODE``      ``count`` (default), ``warn`` or ``raise`` (:mod:`.counters`)
 ``SIM_UNSUPPORTED_OPS``    comma-separated ops marked unsupported (``aten::nonzero,...``)
 ``SIM_UNSUPPORTED_ACTION`` what such an op does: ``count`` (default), ``warn`` or ``error``
+``SIM_OP_PROFILE``         op coverage: ``tpu``, ``neuron`` or a profile file (:mod:`.op_profiles`)
 ``PORTATRAIN_SIM_AS``      the device's name: ``sim`` (default), ``tpu`` or ``neuron`` (impersonation)
 =========================  ===================================================================
 
 This module sits below ``runtime`` and ``inductor`` (both ask it for the device's name) and imports
-nothing of the sim package but :mod:`.counters`' constants and :mod:`.errors`.
+nothing of the sim package but :mod:`.counters`' constants, :mod:`.op_profiles` and :mod:`.errors`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from portatrain.accelerators.sim.counters import (
     UNSUPPORTED_ENV,
 )
 from portatrain.accelerators.sim.errors import SimSettingsError
+from portatrain.accelerators.sim.op_profiles import PROFILE_ENV, profile_problem
 
 SIM_AS_ENV = "PORTATRAIN_SIM_AS"
 """Names the device in this process: ``sim`` (default), ``tpu`` or ``neuron`` (impersonation)."""
@@ -88,6 +90,9 @@ def settings_problems(environ: Mapping[str, str] = os.environ, name: str | None 
             f"{UNSUPPORTED_ACTION_ENV}={action!r} is not one of {', '.join(ACTIONS)} (what an op listed in "
             f"{UNSUPPORTED_ENV} does); set one of them or unset it"
         )
+    profile = profile_problem(environ.get(PROFILE_ENV, ""))
+    if profile is not None:
+        problems.append(profile)
     given = name if name is not None else environ.get(SIM_AS_ENV)
     if given is not None and given not in ALLOWED_NAMES:
         where = f"the sim device's name {given!r}" if name is not None else f"{SIM_AS_ENV}={given!r}"

@@ -346,7 +346,8 @@ class Decoder(nn.Module):
                 positions that restart at 0 at each document boundary. Values must be below
                 ``max_seq_len`` (not checked: that would need a device sync).
             attn_mask: ``[B, 1, S, S]`` boolean, ``True`` where a query may attend to a key (e.g. the
-                packing collator's block-diagonal causal mask); ``None`` is plain causal attention.
+                packing collator's block-diagonal causal mask); ``None`` is plain causal attention; or a
+                callable that attends itself (``portatrain.models.attention.AttentionFn``: context parallel).
             output_fn: called as ``output_fn(hidden, weight)`` with the final normalized hidden states
                 ``[B, S, dim]`` and the output projection's matrix ``[vocab_size, dim]`` in place of
                 the projection (e.g. ``portatrain.losses``' chunked loss, which never builds the full

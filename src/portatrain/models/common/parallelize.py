@@ -66,6 +66,7 @@ def parallelize_decoder(
     compile_block: Callable[[nn.Module], nn.Module] | None = None,
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
+    adapt: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Apply the parallel plan in place and return the model (the ``ModelSpec.parallelize`` protocol).
 
@@ -79,6 +80,8 @@ def parallelize_decoder(
         param_dtype: FSDP2 all-gathers parameters in this dtype and computes in it (bf16 on
             accelerators; fp32 on CPU). The sharded master parameters stay fp32.
         reduce_dtype: FSDP2 reduce-scatters gradients in this dtype (fp32 by default).
+        adapt: changes the model in place after tensor parallel, before everything else (LoRA adds
+            its adapters there: ``portatrain.finetune.lora``); None changes nothing.
     """
     if parallel_dims.tp_enabled or parallel_dims.ep_enabled:
         problems = layout_problems(parallel_dims, model.args)
@@ -88,6 +91,8 @@ def parallelize_decoder(
         apply_tp(model, parallel_dims.tp_mesh)
     if parallel_dims.ep_enabled:
         apply_ep(moe_layers(model), parallel_dims.ep_mesh)
+    if adapt is not None:
+        adapt(model)
     apply_activation_checkpointing(model.layers, activation_checkpointing)
     if compile_block is not None:
         for name, block in list(model.layers.named_children()):

@@ -1,0 +1,191 @@
+"""The trainer of ``finetune.method=dpo``: the :class:`~portatrain.trainer.Trainer` with DPO's data,
+step and evaluation (the loss and the pairs: ``portatrain.finetune.dpo``).
+
+What changes, hook by hook:
+
+* data -- preference pairs read from ``data.dataset`` (a held-out ``data.eval_fraction`` of them
+  evaluated), batched by :class:`~portatrain.finetune.dpo.PairLoader`;
+* after the weights are in place (initialized, ``model.init_from`` or a checkpoint) -- the reference
+  log-probabilities of every pair, computed once: with LoRA (``finetune.dpo.lora``) by the model with
+  its adapters off, which is the base whatever the step, so a resumed run computes them again; for
+  full DPO by the model as it starts, kept in ``<run_dir>/dpo_reference.pt`` for resumes;
+* ``train_step`` -- the DPO loss, a mean over the pairs of the global batch (every rank's sum over
+  the global pair count, as the language-model loss does with tokens); rewards, margin and accuracy
+  logged beside it (``dpo/...``);
+* ``evaluate`` -- the same quantities over the held-out pairs (``eval_loss``, ``eval_dpo/...``).
+
+Everything else (parallel plan, LoRA, optimizer, checkpoints, metrics) is the Trainer's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from typing import Any
+
+import torch
+
+from portatrain.data.errors import DataError
+from portatrain.data.tokenizer import build_tokenizer
+from portatrain.finetune import uses_lora
+from portatrain.finetune.dpo import PairLoader, dpo_loss, encode_pairs, read_pairs, sequence_logps
+from portatrain.finetune.lora import adapters_disabled
+from portatrain.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+REFERENCE_FILE = "dpo_reference.pt"
+
+
+class _PairData:
+    """What the Trainer asks of its data stage, for preference pairs (in memory, never streamed)."""
+
+    streaming = False
+
+    def __init__(self, has_eval: bool) -> None:
+        self.has_eval = has_eval
+
+
+class DPOTrainer(Trainer):
+    """:class:`~portatrain.trainer.Trainer` for ``finetune.method=dpo`` (see the module docstring)."""
+
+    def _setup_data(self) -> None:
+        cfg = self.cfg
+        chat = cfg.data.format == "chat"
+        self.tokenizer = build_tokenizer(str(cfg.data.tokenizer))
+        self.pairs = encode_pairs(self.tokenizer, read_pairs(str(cfg.data.dataset), chat=chat), chat=chat)
+        order = list(range(len(self.pairs)))
+        random.Random(cfg.trainer.seed).shuffle(order)
+        n_eval = int(len(order) * float(cfg.data.eval_fraction))
+        self.train_pairs, self.eval_pairs = order[n_eval:], order[:n_eval]
+        if not self.train_pairs:
+            raise DataError(f"data.dataset={cfg.data.dataset}: no preference pair is left for training")
+        self.data = _PairData(has_eval=bool(self.eval_pairs))
+        self.train_documents, self.eval_documents = [], []
+        self.train_loader = self._pair_loader(self.train_pairs, train=True)
+
+    def _pair_loader(self, indices: list[int], *, train: bool) -> PairLoader:
+        return PairLoader(
+            self.pairs,
+            indices,
+            batch_size=int(self.cfg.data.batch_size),
+            seq_len=int(self.cfg.data.seq_len),
+            pad_id=self.tokenizer.pad_id,
+            seed=int(self.cfg.trainer.seed),
+            dp_rank=self.dp_rank,
+            dp_world_size=self.dp_world_size,
+            train=train,
+        )
+
+    def _restore(self) -> None:
+        super()._restore()
+        self.beta = float(self.cfg.finetune.dpo.beta)
+        self.reference = self._reference_logps()
+
+    # -- the reference -----------------------------------------------------------------------
+    def _reference_logps(self) -> torch.Tensor:
+        """``[pairs, 2]`` log-probabilities of (chosen, rejected) under the reference (module docstring)."""
+        lora = uses_lora(self.cfg.finetune)
+        path = self.run_dir / REFERENCE_FILE
+        if not lora and self.resume_from is not None:
+            if not path.is_file():
+                raise DataError(
+                    f"resuming full DPO needs the reference log-probabilities of the run's start, "
+                    f"{path}, which is missing; start a new run (or use finetune.dpo.lora=true)"
+                )
+            reference = torch.load(path, weights_only=True)
+            if reference.shape != (len(self.pairs), 2):
+                raise DataError(
+                    f"{path} scores {reference.shape[0]} pairs, data.dataset holds {len(self.pairs)}: "
+                    "the data changed since the run started; start a new run"
+                )
+            return reference.to(self.device)
+        with adapters_disabled(self.model) if lora else contextlib.nullcontext():
+            reference = self._score_all_pairs()
+        if not lora and self.dist.is_main:
+            torch.save(reference.cpu(), path)
+        return reference
+
+    @torch.no_grad()
+    def _score_all_pairs(self) -> torch.Tensor:
+        """Every pair scored once by the model as it is: each data-parallel rank scores its share,
+        one all-reduce gathers them (ranks run the same number of batches, the last one padded)."""
+        self.model.eval()
+        scores = torch.zeros(len(self.pairs), 2, device=self.device)
+        loader = self._pair_loader(list(range(len(self.pairs))), train=False)
+        for batch in loader:
+            batch = self._to_device(batch)
+            chosen, rejected = self._policy_logps(batch)
+            index = batch["pair_index"]
+            keep = index >= 0
+            scores[index[keep]] = torch.stack([chosen, rejected], dim=1)[keep]
+        self.model.train()
+        return self._all_reduce_sum(scores)
+
+    # -- the step --------------------------------------------------------------------------
+    def _policy_logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probabilities of the batch's chosen and rejected responses under the model, ``[B]`` each."""
+        with self._autocast():
+            logits = self.model(batch["input_ids"])
+        logps = sequence_logps(logits, batch["labels"])
+        return logps.chunk(2)
+
+    def _pair_terms(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-pair sums over the micro-batch: the loss (differentiable) and the logged quantities."""
+        chosen, rejected = self._policy_logps(batch)
+        index, valid = batch["pair_index"].clamp(min=0), batch["valid"]
+        reference = self.reference[index]
+        loss, chosen_reward, rejected_reward = dpo_loss(
+            chosen, rejected, reference[:, 0], reference[:, 1], self.beta
+        )
+        return {
+            "loss": (loss * valid).sum(),
+            "rewards_chosen": (chosen_reward * valid).sum(),
+            "rewards_rejected": (rejected_reward * valid).sum(),
+            "margin": ((chosen_reward - rejected_reward) * valid).sum(),
+            "accuracy": ((chosen_reward > rejected_reward).float() * valid).sum(),
+        }
+
+    def train_step(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+        # Every pair of a training batch is real: the global count is static (no sync).
+        num_pairs = float(len(batches) * int(self.cfg.data.batch_size) * self.dp_world_size)
+        local_tokens = sum(int((b["labels"] != -100).sum()) for b in batches)
+        sums: dict[str, torch.Tensor] = {}
+        for batch in batches:
+            terms = self._pair_terms(self._to_device(batch))
+            (terms["loss"] / num_pairs).backward()
+            for key, value in terms.items():
+                sums[key] = sums.get(key, 0.0) + value.detach()
+        grad_norm = self._clip_gradients()
+        grad_ok = torch.isfinite(grad_norm)
+        self.nonfinite.optimizer_step(self.optimizer, grad_ok)
+        self.nonfinite.count(self.step + 1, grad_ok, torch.isfinite(sums["loss"]))
+        self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+        loss = sums.pop("loss") / num_pairs
+        return {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "tokens": local_tokens,
+            "dp_sums": {f"dpo/{key}": value / num_pairs for key, value in sums.items()},
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        self.model.eval()
+        totals: dict[str, torch.Tensor] = {}
+        count = torch.zeros((), device=self.device)
+        for i, batch in enumerate(self._pair_loader(self.eval_pairs, train=False)):
+            if i >= self.cfg.trainer.eval_batches:
+                break
+            batch = self._to_device(batch)
+            for key, value in self._pair_terms(batch).items():
+                totals[key] = totals.get(key, 0.0) + value
+            count += batch["valid"].sum()
+        self.model.train()
+        keys = list(totals)
+        summed = self._all_reduce_sum(torch.stack([*(totals[k] for k in keys), count]))
+        means = (summed[:-1] / summed[-1].clamp(min=1)).tolist()
+        named = dict(zip(keys, means, strict=True))
+        return {"eval_loss": named.pop("loss"), **{f"eval_dpo/{k}": v for k, v in named.items()}}
