@@ -183,3 +183,20 @@ def test_training_logs_the_tasks_every_n_steps_without_changing_training(
         evals[0]
     )
     assert scalars(evals[0])["eval/portatrain_tiny_choice/acc"] == evals[0]["eval/portatrain_tiny_choice/acc"]
+
+
+def test_a_lora_checkpoint_loads_with_its_adapters(tmp_path: Path) -> None:
+    import torch
+
+    from portatrain.evaluation.model import load_checkpoint_model
+
+    trainer = fit(["finetune.method=lora", "optim.lr=0.05"], tmp_path / "run")
+    loaded = load_checkpoint_model(
+        compose_config(TINY), complete_checkpoints(tmp_path / "run" / "checkpoints")[-1]
+    )
+    ids = torch.randint(0, 258, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, trained = loaded.model(ids), trainer.model.eval()(ids)
+        base = loaded.model.layers["0"].self_attn.q_proj
+        assert base.lora_B.weight.abs().max() > 0  # trained adapters, not the zero-initialized ones
+    assert torch.equal(ours, trained)
