@@ -128,6 +128,7 @@ class _StopDuringWarmup(Exception):
 class Trainer:
     def __init__(self, cfg: Config, accelerator: Accelerator | None = None) -> None:
         self._run_dir_lock: RunDirLock | None = None
+        self._data_iter: Any = None  # fit()'s batch iterator, closed by close() (its prefetch thread)
         try:
             # SIGTERM while building (data, compile, a checkpoint load) stops as Ctrl-C does; from
             # fit() on, PreemptionWatcher saves and stops at a step boundary.
@@ -485,7 +486,7 @@ class Trainer:
         if OmegaConf.is_config(cfg) and OmegaConf.get_type(cfg) is not dict:
             # A plain dataclass copy: the loop reads it every step; a DictConfig read costs ~10 us.
             cfg = OmegaConf.to_object(cfg)
-        data_iter = iter(self.train_loader)
+        data_iter = self._data_iter = iter(self.train_loader)
         bar = self._progress_bar(cfg)
         profiler = StepProfiler(
             self.cfg.profile,
@@ -539,6 +540,7 @@ class Trainer:
         final = self.cfg.checkpoint.enabled and self.cfg.checkpoint.final and not self.preempted
         if final and self.checkpointer.last_step != self.step:
             self.save_checkpoint()
+        self._close_data_iter()
         return last
 
     def _progress_bar(self, cfg: Any) -> tqdm:
@@ -687,6 +689,7 @@ class Trainer:
         self.preemption.uninstall()
         self.metrics.close()
         self._release_run_dir()
+        self._close_data_iter()
         destroy_distributed()
 
     # -- internals -------------------------------------------------------------------------
@@ -703,6 +706,14 @@ class Trainer:
             kind = RunDirLockedError if error[0] == RunDirLockedError.__name__ else RunDirNotWritableError
             raise kind(error[1])
         return lock
+
+    def _close_data_iter(self) -> None:
+        """Stop and join the loader's prefetch thread now, not at interpreter exit (where a thread
+        inside a torch op aborts the process: ``portatrain.data.stream._prefetched``)."""
+        close = getattr(self._data_iter, "close", None)
+        self._data_iter = None
+        if close is not None:
+            close()
 
     def _release_run_dir(self) -> None:
         if self._run_dir_lock is not None:
