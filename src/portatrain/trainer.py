@@ -510,6 +510,7 @@ class Trainer:
             batches = [next(data_iter) for _ in range(cfg.grad_accum)]
             with self.compile_monitor.watch(batches):
                 metrics = self.train_step(batches)
+            self.runtime_audit.step_end()  # audit.nonfinite: the ranks agree on a finding
             self.step += 1
             metrics.setdefault("flops", model_flops(batches, self.flops_per_token))  # host-side count
             self.window.add(metrics["tokens"], metrics["flops"])
