@@ -91,6 +91,7 @@ from portatrain.metrics import (
     MetricsLogger,
     memory_metrics,
     model_flops,
+    peak_covering,
     progress_postfix,
     resolve_peak_flops,
     throughput_metrics,
@@ -567,6 +568,14 @@ class Trainer:
         bad_steps, bad_losses = totals.extra
         self.nonfinite.check(bad_steps, bad_losses, metrics, self.step)
         self.tokens_seen += totals.tokens
+        self.peak_flops, self.peak_flops_source = peak_covering(
+            self.peak_flops,
+            self.peak_flops_source,
+            flops=totals.flops,
+            elapsed_s=totals.elapsed_s,
+            num_devices=self.dist.world_size,
+            remeasure=partial(self.accelerator.remeasure_peak_flops, self.dtype),
+        )
         last = {
             "step": self.step,
             # Each rank's loss is its token sum over the GLOBAL token count: sum, not mean.

@@ -287,6 +287,10 @@ class Accelerator:
         """
         return None
 
+    def remeasure_peak_flops(self, dtype: torch.dtype) -> float | None:
+        """Measure :meth:`peak_flops` again, where it is a measurement (CPU); None for a datasheet figure."""
+        return None
+
     def profiler_activities(self) -> list[torch.profiler.ProfilerActivity]:
         """``torch.profiler`` activities to record: host ops, plus this device's kernels where torch
         ships a profiler for its device type (CUDA, XPU, MTIA, HPU). Others record host ops only."""
