@@ -37,33 +37,45 @@ def _script(path: Path, code: str) -> Path:
 
 
 def test_a_restarted_attempt_never_reads_the_previous_attempts_gloo_addresses(tmp_path: Path) -> None:
-    """Rank 1 dies after the first attempt's process group is up; in the second, rank 0 reaches the
-    process group first. From the agent's store it would read rank 1's dead address (Connection
-    refused); its own attempt's store has none."""
+    """Rank 1 dies in three attempts after their process group is up; in each restart rank 0 reaches
+    the process group first. Through the agent's store it would read rank 1's dead address and,
+    where gloo has rank 0 connect to rank 1 (one pair in two), fail with Connection refused; the
+    attempt's own store has no stale address."""
     worker = _script(
         tmp_path / "worker.py",
         """
         import os, time
-        import torch.distributed as dist
+        from pathlib import Path
         from portatrain.accelerators.cpu import CPUAccelerator
         from portatrain.distributed import destroy_distributed, dist_info_from_env, init_distributed
 
-        attempt, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["RANK"]
-        if attempt == "1" and rank == "1":
-            time.sleep(3)  # rank 0 looks for rank 1's address first
+        attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), os.environ["RANK"]
+        joining = Path(f"rank0_joining_{attempt}")
+        if rank == "0":
+            joining.touch()
+        elif attempt > 0:  # rank 0 looks for rank 1's address first
+            while not joining.exists():
+                time.sleep(0.05)
+            time.sleep(3)
         init_distributed(CPUAccelerator(), dist_info_from_env())
+        import torch.distributed as dist
         dist.barrier()
-        if attempt == "0" and rank == "1":
+        if attempt < 3 and rank == "1":
             os._exit(1)
         print(f"attempt {attempt} rank {rank} connected", flush=True)
         destroy_distributed()
         """,
     )
     out = subprocess.run(
-        [*TORCHRUN, "--max-restarts=1", str(worker)], env=_env(), capture_output=True, text=True, timeout=240
+        [*TORCHRUN, "--max-restarts=3", str(worker)],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert "attempt 1 rank 0 connected" in out.stdout and "attempt 1 rank 1 connected" in out.stdout
+    assert "attempt 3 rank 0 connected" in out.stdout and "attempt 3 rank 1 connected" in out.stdout
     assert "Connection refused" not in out.stderr
 
 
