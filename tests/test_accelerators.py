@@ -131,3 +131,36 @@ def test_neuron_peak_per_logical_core(monkeypatch, chip, lnc, dtype, tflops) -> 
             monkeypatch.setenv(var, value)
     peak = NeuronAccelerator(0).peak_flops(dtype)
     assert peak == (None if tflops is None else pytest.approx(tflops * 1e12))
+
+
+class _FakeDevice(NeuronAccelerator):
+    """The neuron adapter driving a device torch knows under ``fakedev`` (no vendor stack needed)."""
+
+    device_type = "fakedev"
+
+    def _is_current_accelerator(self) -> bool:
+        return True
+
+
+def test_device_rng_without_default_generators_is_saved_through_the_device_module(monkeypatch) -> None:
+    generator = torch.Generator().manual_seed(5)
+    module = types.SimpleNamespace(
+        get_rng_state=lambda index: generator.get_state(),
+        set_rng_state=lambda state, index: generator.set_state(state),
+    )
+    monkeypatch.setattr(torch, "fakedev", module, raising=False)
+    acc = _FakeDevice(0)
+    state = acc.get_rng_state()
+    first = torch.rand(3, generator=generator)
+    acc.set_rng_state(state)
+    assert sorted(state) == ["cpu", "fakedev"] and torch.equal(torch.rand(3, generator=generator), first)
+
+
+def test_device_rng_that_cannot_be_saved_is_warned_about_once(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(torch, "fakedev", types.SimpleNamespace(), raising=False)
+    acc = _FakeDevice(0)
+    with caplog.at_level("WARNING", logger="portatrain.accelerators.base"):
+        assert sorted(acc.get_rng_state()) == ["cpu"]
+        acc.get_rng_state()
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "fakedev exposes no device RNG state" in warnings[0]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,8 @@ from portatrain.data.errors import DataError
 from portatrain.data.pipeline import build_data
 from portatrain.data.prepare import prepare
 from portatrain.data.store import MemoryCorpus, PreparedCorpus
-from portatrain.data.stream import StreamingLoader
+from portatrain.data.stream import StreamingLoader, _prefetched
+from tests.helpers import make_trainer
 
 PAD = 257
 COLLATORS = ("packing", "bucket", "pad_to_max")
@@ -167,6 +170,39 @@ def test_prefetch_does_not_change_the_order(corpus_dir):
     a = list(itertools.islice(_loader(corpus, prefetch=0), 50))
     b = list(itertools.islice(_loader(corpus, prefetch=4), 50))
     assert all(_same(x, y) for x, y in zip(a, b))
+
+
+def _prefetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "portatrain-prefetch" and t.is_alive()]
+
+
+def test_closing_the_stream_joins_its_prefetch_thread_mid_batch():
+    """A prefetch thread left running at interpreter exit inside a torch op aborts the process
+    ("terminate called without an active exception") after a run that finished: closing the
+    iterator must wait for the batch being built and end the thread."""
+    building = threading.Event()
+
+    def slow_batches():
+        while True:
+            building.set()
+            time.sleep(0.2)  # the batch being built when the consumer leaves
+            yield torch.zeros(2)
+
+    it = _prefetched(slow_batches(), 1)
+    next(it)
+    building.clear()
+    assert building.wait(5)  # the producer is inside the next batch
+    it.close()
+    assert not _prefetch_threads()
+
+
+def test_fit_ends_the_prefetch_thread(corpus_dir, tmp_path):
+    trainer = make_trainer([f"data.dataset={corpus_dir}", "checkpoint.enabled=false"], tmp_path / "run")
+    try:
+        trainer.fit()
+        assert not _prefetch_threads()
+    finally:
+        trainer.close()
 
 
 def test_first_batch_reads_one_window_not_the_corpus(corpus_dir):

@@ -10,7 +10,13 @@ import torch
 
 from portatrain.accelerators.cpu import CPUAccelerator
 from portatrain.accelerators.cuda import CUDAAccelerator
-from portatrain.metrics import memory_high_water, model_flops, resolve_peak_flops, throughput_metrics
+from portatrain.metrics import (
+    memory_high_water,
+    model_flops,
+    peak_covering,
+    resolve_peak_flops,
+    throughput_metrics,
+)
 from portatrain.models.llama.model import LLAMA3_FLAVORS
 from portatrain.trainer import Trainer
 from tests.conftest import TINY, compose_config
@@ -195,3 +201,42 @@ def test_profile_window_must_be_positive(tmp_path: Path) -> None:
             trainer.fit()
     finally:
         trainer.close()
+
+
+def test_a_window_above_the_peak_raises_the_peak_so_mfu_never_exceeds_100_percent(tmp_path: Path) -> None:
+    """The CPU peak measured on a busy machine, then beaten by training: re-measured and raised."""
+    remeasured: list[str] = []
+
+    class BusyCPU(CPUAccelerator):
+        def peak_flops(self, dtype: torch.dtype) -> float:
+            return 1e3  # what a measurement on a loaded machine might have found: 1 kFLOP/s
+
+        def remeasure_peak_flops(self, dtype: torch.dtype) -> float:
+            remeasured.append(str(dtype))
+            return 2e3  # still below the training rate: the peak becomes the rate achieved
+
+    cfg = compose_config(TINY, run_dir=tmp_path)
+    trainer = Trainer(cfg, accelerator=BusyCPU())
+    trainer.fit()
+    trainer.close()
+    records = read_metrics(tmp_path)
+    assert remeasured == ["torch.float32"]  # once: after that the peak follows the rate achieved
+    assert all(0 < r["mfu"] <= 1.0 for r in records)
+    assert records[0]["mfu"] == pytest.approx(1.0)
+    assert trainer.peak_flops > 2e3 and "raised to the achieved rate" in trainer.peak_flops_source
+
+
+def test_peak_covering_prefers_a_fresh_measurement_above_the_rate() -> None:
+    peak, source = peak_covering(
+        1e9,
+        "cpu, float32, measured matmul, an estimate",
+        flops=4e9,
+        elapsed_s=1.0,
+        num_devices=2,
+        remeasure=lambda: 5e9,
+    )
+    assert peak == 5e9 and source.endswith("; raised to a new measurement")
+    assert peak_covering(1e9, "x", flops=1e9, elapsed_s=1.0, num_devices=2, remeasure=lambda: 1 / 0) == (
+        1e9,
+        "x",
+    )

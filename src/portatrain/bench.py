@@ -25,6 +25,7 @@ import math
 import platform
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +34,7 @@ from omegaconf import OmegaConf
 
 from portatrain.config import BenchConfig, Config
 from portatrain.errors import ConfigError
-from portatrain.metrics import GIB, memory_high_water, throughput_metrics
+from portatrain.metrics import GIB, memory_high_water, peak_covering, throughput_metrics
 
 if TYPE_CHECKING:  # imported by run_bench: the validator reads bench_problems without the Trainer
     from portatrain.trainer import Trainer
@@ -130,6 +131,14 @@ def _summarize(trainer: Trainer, cfg: Config, *, start: float, constructed: floa
     times = step_times[1 + warmup :]
     local = torch.tensor([float(sum(s[1] for s in window)), float(sum(s[2] for s in window))])
     tokens, flops = (float(x) for x in trainer._all_reduce_sum(local).tolist())
+    trainer.peak_flops, trainer.peak_flops_source = peak_covering(
+        trainer.peak_flops,
+        trainer.peak_flops_source,
+        flops=flops,
+        elapsed_s=sum(times),
+        num_devices=trainer.dist.world_size,
+        remeasure=partial(trainer.accelerator.remeasure_peak_flops, trainer.dtype),
+    )
     rates = throughput_metrics(
         tokens=int(tokens),
         flops=flops,

@@ -4,7 +4,8 @@ What this file does:
 - ``model_flops``: model FLOPs of a step's micro-batches, from the architecture's
   ``flops_per_token(seq_len)`` and the real (``labels != -100``) tokens, counted on the host;
 - ``resolve_peak_flops``: the per-device peak MFU divides by (``metrics.peak_tflops``, else the
-  accelerator adapter's datasheet table or, on CPU, its measured matmul peak);
+  accelerator adapter's datasheet table or, on CPU, its measured matmul peak), and
+  ``peak_covering``, which raises it when a window runs above it (MFU is never above 100%);
 - ``throughput_metrics`` / ``memory_metrics``: the step-time, tokens/s, MFU and memory fields of a
   log record; ``progress_postfix`` condenses them for the progress bar;
 - sinks: ``JSONLSink`` (``<run_dir>/metrics.jsonl``, one JSON object per line) and
@@ -90,8 +91,44 @@ def resolve_peak_flops(
             dtype_name,
         )
         return None, f"unknown for {name} ({dtype_name})"
-    source = "measured matmul" if accelerator.device_type == "cpu" else "datasheet"
+    source = "measured matmul, an estimate" if accelerator.device_type == "cpu" else "datasheet"
     return peak, f"{name}, {dtype_name}, {source}"
+
+
+def peak_covering(
+    peak: float | None,
+    source: str,
+    *,
+    flops: float,
+    elapsed_s: float,
+    num_devices: int,
+    remeasure: Callable[[], float | None],
+) -> tuple[float | None, str]:
+    """The peak to compute MFU with for a window of ``flops`` over ``elapsed_s`` on ``num_devices``
+    (as :func:`throughput_metrics` takes them), never below the rate achieved: MFU <= 100%.
+
+    A rate above the peak means the peak is wrong, not the run: a measured peak (CPU) was taken while
+    the machine was busy, or a datasheet figure or ``metrics.peak_tflops`` is too low. The peak is
+    then measured again where it is a measurement (``remeasure``: the first time only, it takes a
+    second), raised to at least the achieved rate, and the change logged; ``source`` says so from
+    then on.
+    """
+    achieved = _per_device(flops, elapsed_s, num_devices)
+    if peak is None or achieved <= peak:
+        return peak, source
+    base, _, raised_before = source.partition("; raised")
+    fresh = 0.0 if raised_before else remeasure() or 0.0
+    raised = max(fresh, achieved)
+    logger.warning(
+        "the training step ran at %.4g TFLOP/s per device, above the peak of %.4g TFLOP/s (%s); %s: "
+        "MFU is computed against %.4g TFLOP/s from now on",
+        achieved / 1e12,
+        peak / 1e12,
+        source,
+        f"measured again: {fresh / 1e12:.4g} TFLOP/s" if fresh else "the figure is too low",
+        raised / 1e12,
+    )
+    return raised, f"{base}; raised to {'a new measurement' if fresh >= achieved else 'the achieved rate'}"
 
 
 def throughput_metrics(
@@ -108,8 +145,8 @@ def throughput_metrics(
     ``tokens`` and ``flops`` are summed over every rank, ``num_devices`` counts every device of the
     job (data- and model-parallel alike), so MFU is job-wide: model FLOP/s over the summed peak.
     """
+    per_device = _per_device(flops, elapsed_s, num_devices)
     elapsed_s = max(elapsed_s, 1e-9)
-    per_device = flops / elapsed_s / num_devices
     return {
         "step_time_s": elapsed_s / max(steps, 1),
         "tokens_per_s": tokens / elapsed_s,
@@ -123,6 +160,10 @@ def checkpoint_metrics(blocked_s: float, wall_s: float) -> dict[str, float]:
     """The loop's cost of checkpoints so far: seconds it was blocked saving (or waiting for a save in
     flight, ``checkpoint.async_mode``) and that time's fraction of the training wall time."""
     return {"checkpoint_blocked_s": blocked_s, "checkpoint_blocked_frac": blocked_s / max(wall_s, 1e-9)}
+
+
+def _per_device(flops: float, elapsed_s: float, num_devices: int) -> float:
+    return flops / max(elapsed_s, 1e-9) / num_devices
 
 
 def memory_high_water(stats: dict[str, int]) -> int | None:

@@ -101,6 +101,7 @@ from portatrain.metrics import (
     checkpoint_metrics,
     memory_metrics,
     model_flops,
+    peak_covering,
     progress_postfix,
     resolve_peak_flops,
     throughput_metrics,
@@ -140,6 +141,7 @@ class _StopDuringWarmup(Exception):
 class Trainer:
     def __init__(self, cfg: Config, accelerator: Accelerator | None = None) -> None:
         self._run_dir_lock: RunDirLock | None = None
+        self._data_iter: Any = None  # fit()'s batch iterator, closed by close() (its prefetch thread)
         try:
             # SIGTERM while building (data, compile, a checkpoint load) stops as Ctrl-C does; from
             # fit() on, PreemptionWatcher saves and stops at a step boundary.
@@ -542,7 +544,7 @@ class Trainer:
         if OmegaConf.is_config(cfg) and OmegaConf.get_type(cfg) is not dict:
             # A plain dataclass copy: the loop reads it every step; a DictConfig read costs ~10 us.
             cfg = OmegaConf.to_object(cfg)
-        data_iter = iter(self.train_loader)
+        data_iter = self._data_iter = iter(self.train_loader)
         bar = self._progress_bar(cfg)
         profiler = StepProfiler(
             self.cfg.profile,
@@ -567,6 +569,7 @@ class Trainer:
             batches = [next(data_iter) for _ in range(cfg.grad_accum)]
             with self.compile_monitor.watch(batches):
                 metrics = self.train_step(batches)
+            self.runtime_audit.step_end()  # audit.nonfinite: the ranks agree on a finding
             self.step += 1
             metrics.setdefault("flops", model_flops(batches, self.flops_per_token))  # host-side count
             self.window.add(metrics["tokens"], metrics["flops"])
@@ -603,6 +606,7 @@ class Trainer:
         if final and self.checkpointer.last_step != self.step:
             self.save_checkpoint()
             self.checkpointer.wait()
+        self._close_data_iter()
         return last
 
     def _progress_bar(self, cfg: Any) -> tqdm:
@@ -628,6 +632,14 @@ class Trainer:
         bad_steps, bad_losses = totals.extra
         self.nonfinite.check(bad_steps, bad_losses, metrics, self.step)
         self.tokens_seen += totals.tokens
+        self.peak_flops, self.peak_flops_source = peak_covering(
+            self.peak_flops,
+            self.peak_flops_source,
+            flops=totals.flops,
+            elapsed_s=totals.elapsed_s,
+            num_devices=self.dist.world_size,
+            remeasure=partial(self.accelerator.remeasure_peak_flops, self.dtype),
+        )
         last = {
             "step": self.step,
             # Each rank's loss is its token sum over the GLOBAL token count: sum, not mean.
@@ -771,6 +783,7 @@ class Trainer:
         self.preemption.uninstall()
         self.metrics.close()
         self._release_run_dir()
+        self._close_data_iter()
         destroy_distributed()
 
     # -- internals -------------------------------------------------------------------------
@@ -787,6 +800,14 @@ class Trainer:
             kind = RunDirLockedError if error[0] == RunDirLockedError.__name__ else RunDirNotWritableError
             raise kind(error[1])
         return lock
+
+    def _close_data_iter(self) -> None:
+        """Stop and join the loader's prefetch thread now, not at interpreter exit (where a thread
+        inside a torch op aborts the process: ``portatrain.data.stream._prefetched``)."""
+        close = getattr(self._data_iter, "close", None)
+        self._data_iter = None
+        if close is not None:
+            close()
 
     def _release_run_dir(self) -> None:
         if self._run_dir_lock is not None:

@@ -200,22 +200,57 @@ class Accelerator:
         return generators[self.index]
 
     def get_rng_state(self) -> dict[str, Any]:
+        """The host RNG state and this device's: from its default generator, else from the device
+        module's ``get_rng_state(index)`` (the ``torch.cuda``-shaped function). A backend with
+        neither is warned about once, at the first save: a resume then draws device random numbers
+        (dropout, random ops on the device) from a fresh stream, not where the run left off."""
         state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-        generator = self._device_generator() if self._is_current_accelerator() else None
+        if not self._is_current_accelerator():
+            return state
+        generator = self._device_generator()
         if generator is not None:
             state[self.device_type] = generator.get_state()
+            return state
+        module_state = self._device_module_rng("get_rng_state", self.index)
+        if module_state is not False:
+            state[self.device_type] = module_state
+        elif not self._warned_rng:
+            self._warned_rng = True
+            logger.warning(
+                "%s exposes no device RNG state (neither torch.%s.default_generators nor "
+                "torch.%s.get_rng_state): checkpoints hold the host RNG only, and a resume draws random "
+                "numbers on the device (dropout, random ops) from a fresh stream",
+                self.device_type,
+                self.device_type,
+                self.device_type,
+            )
         return state
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
         torch.set_rng_state(state["cpu"])
         if self.device_type != "cpu" and self.device_type in state:
             generator = self._device_generator()
-            if generator is None:
+            if generator is not None:
+                generator.set_state(state[self.device_type])
+            elif self._device_module_rng("set_rng_state", state[self.device_type], self.index) is False:
                 raise RuntimeError(
                     f"the checkpoint holds a {self.device_type} RNG state but this {self.device_type} "
-                    "backend exposes no default generator to restore it into"
+                    "backend exposes no default generator or set_rng_state to restore it into"
                 )
-            generator.set_state(state[self.device_type])
+
+    _warned_rng = False
+
+    def _device_module_rng(self, function: str, *args: Any) -> Any:
+        """Call ``torch.<device_type>.<function>(*args)``; False where the backend has no such
+        function or closes it to callers outside itself (TorchTPU raises ``RuntimeError``)."""
+        fn = getattr(getattr(torch, self.device_type, None), function, None)
+        if fn is None:
+            return False
+        try:
+            return fn(*args)
+        except RuntimeError as exc:
+            logger.debug("torch.%s.%s is closed: %s", self.device_type, function, exc)
+            return False
 
     def describe(self) -> str:
         return f"{self.name}:{self.index}"
@@ -250,6 +285,10 @@ class Accelerator:
         twice the dense one, and MFU is always quoted against dense. ``metrics.peak_tflops``
         overrides this for hardware missing from the adapter's table.
         """
+        return None
+
+    def remeasure_peak_flops(self, dtype: torch.dtype) -> float | None:
+        """Measure :meth:`peak_flops` again, where it is a measurement (CPU); None for a datasheet figure."""
         return None
 
     def profiler_activities(self) -> list[torch.profiler.ProfilerActivity]:

@@ -84,3 +84,8 @@ class CPUAccelerator(Accelerator):
     def peak_flops(self, dtype: torch.dtype) -> float | None:
         """The measured matmul peak at this process's thread count (see :func:`measured_matmul_flops`)."""
         return measured_matmul_flops(dtype, torch.get_num_threads())
+
+    def remeasure_peak_flops(self, dtype: torch.dtype) -> float | None:
+        """A fresh measurement, over a longer budget than the first (which a busy machine can
+        have slowed: the training loop then runs above it)."""
+        return measured_matmul_flops.__wrapped__(dtype, torch.get_num_threads(), budget_s=1.0)

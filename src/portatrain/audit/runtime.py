@@ -41,9 +41,13 @@ both off by default and free when off:
     inputs were still finite (so the module made it) or not (the code between modules did). Each
     check syncs with the host, once per module; the sim's counters do not count those syncs. It
     needs ``compile.enabled=false``: a hook that reads values would break every compiled block.
+    Under several processes the rank that finds a value keeps its finding and finishes the step (its
+    peers are in the same collectives); after the step (or the evaluation) the ranks agree, and every
+    rank stops with the first finding's message, naming its rank.
 
-The Trainer calls four small hooks: :meth:`RuntimeAudit.step_begin` before each step,
-:meth:`RuntimeAudit.window_end` first thing on a logging step (its dict goes into the record),
+The Trainer calls five small hooks: :meth:`RuntimeAudit.step_begin` before each step,
+:meth:`RuntimeAudit.step_end` after it, :meth:`RuntimeAudit.window_end` first thing on a logging
+step (its dict goes into the record),
 :meth:`RuntimeAudit.paused` around evaluation, and :meth:`RuntimeAudit.close`. ``portatrain report`` reads :meth:`RuntimeAudit.summary`.
 """
 
@@ -59,6 +63,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from portatrain.accelerators.sim import counters
@@ -85,7 +90,10 @@ def runtime_audit_problems(audit_cfg: RuntimeAuditConfig, compile_cfg: CompileCo
 
 
 class NonFiniteValueError(UserError, FloatingPointError):
-    """``audit.nonfinite=true`` found a NaN/inf; the message names the step, module and tensor."""
+    """``audit.nonfinite=true`` found a NaN/inf; the message names the step, module and tensor
+    (and the rank, under several processes: every rank raises the same message)."""
+
+    same_on_every_rank = True
 
 
 # -- locations and dynamo's records ----------------------------------------------------------------
@@ -160,6 +168,10 @@ class RuntimeAudit:
         """Operator -> ``file:line in function`` of its first call in a window."""
         if self.enabled and self.simulated:
             counters.set_census(True)
+        self.finding: tuple[int, str] | None = None
+        """This rank's first ``audit.nonfinite`` finding, ``(0 forward | 1 backward, message)``, held
+        until the ranks agree (several processes)."""
+        self._ranks = dist.get_world_size() if dist.is_initialized() else 1
         if audit_cfg.nonfinite:
             self._hooks = _install_nonfinite_hooks(model, self)
 
@@ -187,13 +199,47 @@ class RuntimeAudit:
             self._window_open, self._window_steps = True, 0
         self._window_steps += 1
 
+    def step_end(self) -> None:
+        """After each optimizer step: with ``audit.nonfinite`` under several processes, the ranks
+        agree on a finding (one object all-gather) and all raise the first one's message."""
+        if not self._hooks or self._ranks == 1:
+            return
+        findings: list[tuple[int, str] | None] = [None] * self._ranks
+        dist.all_gather_object(findings, self.finding)
+        found = [(finding[0], rank, finding[1]) for rank, finding in enumerate(findings) if finding]
+        if found:
+            # A forward finding is where the value was made; a backward one may be its echo (the
+            # data-parallel gradient reduction carries one rank's NaN to every rank's shard).
+            _, rank, message = min(found)
+            raise NonFiniteValueError(f"rank {rank}: {message}")
+
+    def report(self, message: str, *, backward: bool = False) -> None:
+        """A non-finite value was found: raise now (one process), else hold it for :meth:`step_end`
+        (raising here would leave the other ranks waiting in the step's next collective)."""
+        if self._ranks == 1:
+            raise NonFiniteValueError(message)
+        if self.finding is None:
+            self.finding = (int(backward), message)
+
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Leave the block out of the window: evaluation in the middle of one syncs on purpose and
-        compiles graphs of its own (no_grad), none of which is the training step's."""
-        if not self.enabled or not self._window_open:
-            yield
-            return
+        compiles graphs of its own (no_grad), none of which is the training step's. A non-finite
+        value found in it stops every rank after it (:meth:`step_end`)."""
+        with self._agreed_after():
+            if not self.enabled or not self._window_open:
+                yield
+                return
+            with self._paused():
+                yield
+
+    @contextlib.contextmanager
+    def _agreed_after(self) -> Iterator[None]:
+        yield
+        self.step_end()  # not reached when the block raised
+
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
         before = dynamo_totals()
         simulated = self.simulated
         if not simulated:
@@ -372,6 +418,8 @@ def _install_nonfinite_hooks(model: nn.Module, audit: RuntimeAudit) -> list[Any]
     parents = {child: name for name, module in model.named_modules() for child in module.children()}
 
     def forward_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if audit.finding is not None:  # the first one is the one to report; the rest follow from it
+            return
         with _own_syncs():
             bad = _first_nonfinite(output, "output")
             if bad is None:
@@ -388,7 +436,7 @@ def _install_nonfinite_hooks(model: nn.Module, audit: RuntimeAudit) -> list[Any]
                     f"its {_describe(*bad_input)} was already non-finite: it was made by code between "
                     f"modules, in {made_by}, before this module ran"
                 )
-            raise NonFiniteValueError(
+            audit.report(
                 f"audit.nonfinite: step {audit.step}, {phase}: module {name!r} ({type(module).__name__}) "
                 f"returned {_describe(*bad)}; {cause}. Look at that module's arithmetic (division, "
                 "log/sqrt/exp of its input, a norm epsilon) and its dtype; then run without "
@@ -397,16 +445,17 @@ def _install_nonfinite_hooks(model: nn.Module, audit: RuntimeAudit) -> list[Any]
 
     def grad_hook(name: str) -> Any:
         def hook(param: torch.Tensor) -> None:
-            if param.grad is None:
+            if param.grad is None or audit.finding is not None:
                 return
             with _own_syncs():
                 grad = _local(param.grad.detach())
                 if grad.numel() and not bool(torch.isfinite(grad).all()):
-                    raise NonFiniteValueError(
+                    audit.report(
                         f"audit.nonfinite: step {audit.step}, backward: the gradient of parameter "
                         f"{name!r} {_describe('', grad).strip()} while every module's forward output was "
                         "finite; look at the backward of the module owning it (sqrt/pow/norm at 0, a "
-                        "division by a value that can be 0)"
+                        "division by a value that can be 0)",
+                        backward=True,
                     )
 
         return hook

@@ -46,6 +46,7 @@ COMMANDS: dict[str, str] = {
     "kernels": "portatrain.commands.kernels",  # kernel overrides: list, parity check
     "audit": "portatrain.commands.audit",  # static scan of code for what breaks off NVIDIA
     "report": "portatrain.commands.report",  # the portability checklist, filled from evidence
+    "torchrun": "portatrain.commands.torchrun",  # torchrun, exit 0 after a stop its workers saved
 }
 """Command name -> module. ``dry_run=true`` runs ``plan`` whatever the command."""
 

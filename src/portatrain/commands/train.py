@@ -11,6 +11,7 @@ from portatrain.errors import UserError
 
 
 def run(cfg: Config, ctx: CommandContext) -> None:
+    from portatrain.launch.elastic import record_worker_clean_end, record_worker_start
     from portatrain.rundir import discard_unsaved_run
     from portatrain.trainer import Trainer
 
@@ -19,12 +20,18 @@ def run(cfg: Config, ctx: CommandContext) -> None:
 
     run_dir = Path(cfg.run_dir)
     fresh = not run_dir.is_dir() or not any(run_dir.iterdir())
+    record_worker_start()
     try:
         trainer = (ctx.trainer_cls or Trainer)(cfg)
         try:
             trainer.fit()
         finally:
             trainer.close()
+        # Finished, or stopped on request after saving the step it stopped at: a clean end, which
+        # `portatrain torchrun` reports as status 0 after a SIGTERM.
+        saved = not cfg.checkpoint.enabled or trainer.checkpointer.last_step == trainer.step
+        if not trainer.preempted or saved:
+            record_worker_clean_end()
     except UserError:
         # A mistake the user fixes and reruns (a damaged shard, a device out of memory...): a new run
         # that saved nothing leaves nothing behind, or the rerun would be refused as another run's.

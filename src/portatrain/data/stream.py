@@ -396,24 +396,35 @@ _DONE = object()
 
 
 def _prefetched(source: Iterator[Any], depth: int) -> Iterator[Any]:
-    """Run ``source`` on a daemon thread, ``depth`` items ahead; same items, same order."""
+    """Run ``source`` on a daemon thread, ``depth`` items ahead; same items, same order.
+
+    Closing the generator (or dropping it) stops the thread and joins it, so it never outlives its
+    consumer. A daemon thread still inside a torch op when the interpreter exits is ended by
+    ``pthread_exit`` as it takes the GIL back; the forced unwind through PyTorch's C++ frames then
+    aborts the process ("terminate called without an active exception", status -6) after a run that
+    finished and saved (see https://github.com/python/cpython/issues/87135).
+    """
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
+
+    def put(item: Any) -> bool:
+        """Hand ``item`` over; False once the consumer has gone (never blocks past a stop)."""
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def produce() -> None:
         try:
             for item in source:
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not put(item):
                     return
-            q.put(_DONE)
+            put(_DONE)
         except BaseException as exc:  # handed to the consumer, raised there
-            q.put(exc)
+            put(exc)
 
     thread = threading.Thread(target=produce, name="portatrain-prefetch", daemon=True)
     thread.start()
@@ -427,6 +438,7 @@ def _prefetched(source: Iterator[Any], depth: int) -> Iterator[Any]:
             yield item
     finally:
         stop.set()
+        thread.join()  # at most the batch being built: the producer checks ``stop`` between batches
 
 
 def stream_problems(
