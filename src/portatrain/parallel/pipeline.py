@@ -173,6 +173,12 @@ def pipeline_problems(
             f"compile.granularity={compile_granularity} with parallel.pp={pp}: a pipeline compiles each stage's "
             "blocks, never the whole model; set compile.granularity=block"
         )
+    if kind.zero_bubble and parallel.activation_checkpointing == "selective":
+        problems.append(
+            f"parallel.pp_schedule={name} with parallel.activation_checkpointing=selective: a zero-bubble "
+            "schedule runs each block's backward twice (input, then weight gradients), which selective "
+            "checkpointing allows once; use parallel.activation_checkpointing=full (or none), or Interleaved1F1B"
+        )
     if compile_enabled and kind.zero_bubble:
         problems.append(
             f"parallel.pp_schedule={name} with compile.enabled=true: torch's zero-bubble schedules split the "
@@ -330,10 +336,9 @@ class Pipeline:
         target = labels if self.has_last else None
         self._loss_sums = []
         with self._autocast():
-            if train:
-                self.schedule.step(*args, target=target, **kwargs)
-            else:
-                self.schedule.eval(*args, target=target, **kwargs)
+            # The outputs are not merged back into a batch: the loss is all this needs of them.
+            run = self.schedule.step if train else self.schedule.eval
+            run(*args, target=target, return_outputs=False, **kwargs)
         # The micro-batches' losses are the last ``microbatches`` calls: a stage's first step also calls
         # the loss once to infer the shapes it exchanges (torch's runtime metadata inference).
         sums = self._loss_sums[-self.microbatches :]
