@@ -146,8 +146,8 @@ def pipeline_problems(
         rounds = max(1, m // pp)
         if m % rounds:
             problems.append(
-                f"parallel.pp_microbatches={m}: {name} runs micro-batches in rounds of pp={pp}, so it needs "
-                f"fewer than pp or a multiple of pp; set parallel.pp_microbatches={pp * rounds}"
+                f"parallel.pp_microbatches={m}: {name} runs them in pp_microbatches // pp({pp}) = {rounds} "
+                f"rounds, which must divide them; set parallel.pp_microbatches={pp * rounds}"
             )
     if tie_embeddings:
         problems.append(
