@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -402,3 +403,73 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int = 1)
     """
     v = virtual if SCHEDULES[schedule].multi else 1
     return (pp - 1) / (v * microbatches + pp - 1)
+
+
+def in_flight(schedule: str, pp: int, pp_rank: int, microbatches: int, virtual: int = 1) -> int:
+    """Stage-micro-batches whose activations rank ``pp_rank`` holds at its peak (each one stage's
+    blocks for one micro-batch): GPipe runs every forward first (all ``m``); 1F1B starts backward after
+    ``pp - rank`` forwards; interleaved schedules warm up with ``(v - 1) pp + 2 (pp - 1 - rank)`` chunks
+    before their first backward (Megatron-LM's interleaved schedule)."""
+    if schedule == "GPipe":
+        return microbatches
+    if not SCHEDULES[schedule].multi:
+        return min(microbatches, pp - pp_rank)
+    return min(microbatches * virtual, (virtual - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
+
+
+def describe_stages(
+    args: Any,
+    parallel: ParallelConfig,
+    *,
+    batch_size: int,
+    estimate: Callable[[Any, int], dict[str, int]],
+) -> str:
+    """The dry run's pipeline section: the schedule, its bubble and the memory of each pipeline rank.
+
+    ``estimate(args, rows)`` is the family's per-device estimate (``spec.estimate_memory`` with the
+    run's precision and layout) for a model of ``args`` fed ``rows`` rows. A rank's parameters,
+    gradients and optimizer state are its stages' parameters (the embedding on the first, the final
+    norm and head on the last) at the estimate's bytes per parameter; its activations are one
+    micro-batch's per block of its stages, times the micro-batches in flight (:func:`in_flight`), plus
+    the output head's on the last stage.
+    """
+    pp, virtual = int(parallel.pp), int(parallel.pp_virtual_stages)
+    name, m = parallel.pp_schedule, num_microbatches(parallel)
+    stages = num_stages(parallel)
+    layers = stage_layers(args.n_layers, stages, parallel.pp_layers)
+    rows = max(1, batch_size // m)
+    one, two = (estimate(dataclasses.replace(args, n_layers=n), rows) for n in (1, 2))
+    block_acts = two["activations"] - one["activations"]  # one block, one micro-batch
+    head_acts = one["activations"] - block_acts  # the output head and loss, one micro-batch
+    whole = args.num_params()
+    per_param = {
+        k: one[k] / dataclasses.replace(args, n_layers=1).num_params()
+        for k in ("params", "grads", "optimizer")
+    }
+    embedding = args.vocab_size * args.dim
+    gib = 1024**3
+    lines = [
+        f"pipeline: {name}, pp={pp} x {virtual} stage(s) a rank, {m} micro-batches of {rows} row(s); "
+        f"bubble (p-1)/({'v*' if SCHEDULES[name].multi else ''}m+p-1) = {bubble_fraction(name, pp, m, virtual):.1%}",
+        f"{'pp rank':<8}{'stages':<10}{'blocks':<14}{'params':>12}{'in flight':>11}"
+        f"{'weights+grads+optim GiB':>26}{'activations GiB':>17}{'total GiB':>11}",
+    ]
+    for rank in range(pp):
+        ids = stage_ids(rank, pp, virtual, name)
+        blocks = [i for s in ids for i in layers[s]]
+        n = sum(args.attention_params + args.mlp_params(i) for i in blocks)
+        n += embedding if 0 in ids else 0
+        last = stages - 1 in ids
+        n += args.dim + (0 if args.tie_embeddings else embedding) if last else 0
+        state = sum(per_param[k] for k in per_param) * n
+        chunks = in_flight(name, pp, rank, m, virtual)
+        spans = ",".join(f"{layers[s][0]}-{layers[s][-1]}" for s in ids)
+        acts = chunks * block_acts * len(blocks) / len(ids) + (head_acts if last else 0)
+        lines.append(
+            f"{rank:<8}{','.join(map(str, ids)):<10}{spans:<14}{n:>12,}{chunks:>11}"
+            f"{state / gib:>26.2f}{acts / gib:>17.2f}{(state + acts + one['fsdp_buffers']) / gib:>11.2f}"
+        )
+    lines.append(
+        f"(of {whole:,} parameters; activations per rank: its stages' blocks for the micro-batches in flight)"
+    )
+    return "\n".join(lines)
