@@ -23,9 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from portatrain.launch import render_job
 from portatrain.models import build_model
 from portatrain.parallel.parallel_dims import layout_problems
 from portatrain.parallel.pipeline import bubble_fraction, split_model, stage_ids, stage_layers
+from portatrain.plan import describe_plan
 from portatrain.validate import config_problems
 from tests.helpers import ROOT, TINY, compose_config, fit, read_metrics, run_cli, train_records
 
@@ -152,6 +154,41 @@ def test_bad_schedule_settings_and_world_size_are_config_problems(monkeypatch: p
         compose_config([*interleaved, "parallel.pp_microbatches=9", "data.batch_size=9"])
     )
     assert "Interleaved1F1B runs them in pp_microbatches // pp(4) = 2 rounds" in problem
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning and jobs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_plan_gives_the_bubble_and_memory_per_pipeline_rank() -> None:
+    cfg = compose_config([*RUN, "dry_run=true", "parallel.pp=2", "parallel.pp_microbatches=4"])
+    plan = describe_plan(cfg)
+    assert "pipeline: 1F1B, pp=2 x 1 stage(s) a rank, 4 micro-batches of 1 row(s)" in plan
+    assert "bubble (p-1)/(m+p-1) = 20.0%" in plan
+    rows = [line.split() for line in plan.splitlines() if line[:2] in ("0 ", "1 ")]
+    (first, last) = rows
+    assert first[1:3] == ["0", "0-1"] and last[1:3] == ["1", "2-3"]
+    # 1F1B: the first stage holds pp micro-batches in flight, the last one; the parameters differ by
+    # the embedding (first) against the final norm and head (last).
+    assert (first[4], last[4]) == ("2", "1")
+    assert int(first[3].replace(",", "")) + int(last[3].replace(",", "")) == 853_632
+
+
+def test_rendered_jobs_place_the_pipeline_across_hosts_and_tp_inside_one() -> None:
+    overrides = [
+        "recipe=llama8b",
+        "parallel.launch.nodes=4",
+        "parallel.launch.procs_per_node=8",
+        "parallel.pp=2",
+        "parallel.tp=8",
+        "parallel.pp_microbatches=2",
+    ]
+    text = render_job(compose_config(overrides), overrides).text
+    assert (
+        "pp=2 x dp_replicate=1 x dp_shard=2 x tp=8 = 32 devices (tp groups inside one host each; each "
+        "pipeline stage on 2 host(s) of its own)" in text
+    )
 
 
 # ---------------------------------------------------------------------------------------------
