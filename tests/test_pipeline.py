@@ -134,12 +134,14 @@ def test_bad_schedule_settings_and_world_size_are_config_problems(monkeypatch: p
         "parallel.pp_schedule=ZBVZeroBubble",  # needs exactly 2 stages a rank, no compile
         "compile=enabled",
         "parallel.activation_checkpointing=selective",
+        "trainer.eval_every=10",
     ]
     problems = "\n".join(config_problems(compose_config(zbv)))
     for line in (
         "parallel.pp_virtual_stages=1: ZBVZeroBubble places exactly two stages on each rank",
         "parallel.pp_schedule=ZBVZeroBubble with compile.enabled=true",
         "parallel.pp_schedule=ZBVZeroBubble with parallel.activation_checkpointing=selective",
+        "parallel.pp_schedule=ZBVZeroBubble with trainer.eval_every>0",
     ):
         assert line in problems, (line, problems)
 
@@ -255,7 +257,13 @@ def test_every_schedule_on_two_processes_matches_one_process_and_checkpoints_mov
             "checkpoint.enabled=true",
             "checkpoint.every=2",
         ],
-        "Interleaved1F1B": [*RUN, *PP2, *interleaved, "parallel.pp_schedule=Interleaved1F1B"],
+        "Interleaved1F1B": [
+            *RUN,
+            *PP2,
+            *interleaved,
+            "parallel.pp_schedule=Interleaved1F1B",
+            "trainer.eval_every=3",
+        ],
         "InterleavedZeroBubble": [*RUN, *PP2, *interleaved, "parallel.pp_schedule=InterleavedZeroBubble"],
         "ZBVZeroBubble": [
             *RUN,
@@ -278,8 +286,9 @@ def test_every_schedule_on_two_processes_matches_one_process_and_checkpoints_mov
         if name != "from_pp1":
             _assert_same_steps(train_records(dirs[name]), want, name)
     _assert_same_steps(train_records(dirs["from_pp1"]), want[2:], "pp=1 -> pp=2 x 2 stages")
-    evals = [r["eval_loss"] for r in read_metrics(dirs["1F1B"]) if "eval_loss" in r]
-    assert evals == pytest.approx(one_process["eval"], abs=1e-5)
+    for name in ("1F1B", "Interleaved1F1B"):  # evaluation through the pipeline, forward only
+        evals = [r["eval_loss"] for r in read_metrics(dirs[name]) if "eval_loss" in r]
+        assert evals == pytest.approx(one_process["eval"], abs=1e-5), name
 
     # The pp=2 checkpoint of step 2 holds the unsplit model's names and resumes in one process.
     saved = dirs["1F1B"] / "checkpoints" / "step_0000002"

@@ -106,6 +106,7 @@ def config_problems(cfg: Config) -> list[str]:
         collator=cfg.data.collator,
         compile_enabled=cfg.compile.enabled,
         compile_granularity=cfg.compile.granularity,
+        evaluates=cfg.trainer.eval_every > 0,
     )
     return problems
 

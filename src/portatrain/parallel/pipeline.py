@@ -85,12 +85,13 @@ def pipeline_problems(
     collator: str,
     compile_enabled: bool,
     compile_granularity: str,
+    evaluates: bool = False,
 ) -> list[str]:
     """Every reason the pipeline settings of ``parallel`` cannot run, each with the fix (empty with pp=1).
 
     ``n_layers``, ``tie_embeddings`` and ``sparse`` (a mixture-of-experts layer) describe the model
     (``n_layers`` None when the model is itself invalid); ``batch_size`` is ``data.batch_size``, the rows
-    one data-parallel rank feeds a schedule step.
+    one data-parallel rank feeds a schedule step; ``evaluates`` says the run evaluates (``trainer.eval_every``).
     """
     pp, virtual = int(parallel.pp), int(parallel.pp_virtual_stages)
     name = parallel.pp_schedule
@@ -179,6 +180,11 @@ def pipeline_problems(
             f"parallel.pp_schedule={name} with parallel.activation_checkpointing=selective: a zero-bubble "
             "schedule runs each block's backward twice (input, then weight gradients), which selective "
             "checkpointing allows once; use parallel.activation_checkpointing=full (or none), or Interleaved1F1B"
+        )
+    if kind.v_shape and evaluates:
+        problems.append(
+            f"parallel.pp_schedule={name} with trainer.eval_every>0: torch's forward-only pass of this schedule "
+            "still runs its split backward (torch 2.13); set trainer.eval_every=0, or use InterleavedZeroBubble"
         )
     if compile_enabled and kind.zero_bubble:
         problems.append(
