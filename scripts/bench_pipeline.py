@@ -68,9 +68,8 @@ def build_trainer(overrides: list[str], name: str):
     register_configs()
     with initialize_config_dir(config_dir=config_dir(), version_base=None):
         cfg = compose("config", overrides=overrides)
-    with open_dict(cfg):
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
-        cfg.run_dir = os.path.join(tempfile.gettempdir(), f"bench_pipeline_{run_id}_{name}")
+    with open_dict(cfg):  # a fresh directory per launch (main makes it), one per run
+        cfg.run_dir = os.path.join(os.environ["BENCH_PIPELINE_DIR"], name)
     portatrain.trainer.destroy_distributed = lambda: None  # one process group for every run
     return Trainer(cfg)
 
@@ -162,6 +161,7 @@ def child() -> None:
 
 
 def main() -> None:
+    os.environ["BENCH_PIPELINE_DIR"] = tempfile.mkdtemp(prefix="bench_pipeline_")  # the children inherit it
     trainer = build_trainer([*DEFAULTS, *sys.argv[1:]], "pp1")
     try:
         batch, num_tokens = one_batch(trainer)
