@@ -150,6 +150,8 @@ def test_bad_schedule_settings_and_world_size_are_config_problems(monkeypatch: p
     assert "pp(2) * dp_replicate(1) * tp(1) = 2 does not divide world size 1" in problems
     assert "1F1B needs at least one micro-batch per stage (pp=2)" in problems
     assert "parallel.pp_layers=[1, 2] must give 2 stages" in problems and "pp_layers=[2,2]" in problems
+    (problem,) = config_problems(compose_config(["dry_run=true", "device=sim", "parallel.pp=2"]))
+    assert "parallel.pp=2 with device=sim" in problem and "deadlock" in problem
     interleaved = ["dry_run=true", "parallel.pp=4", "parallel.pp_schedule=Interleaved1F1B"]
     assert config_problems(compose_config([*interleaved, "parallel.pp_microbatches=8"])) == []
     (problem,) = config_problems(
