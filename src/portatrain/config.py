@@ -314,6 +314,19 @@ class ParallelConfig:
     """Expert-parallel degree: a mixture of experts' experts are split over ``ep`` of the ``dp_shard``
     ranks (which must be a multiple of it), tokens reach them by all-to-all, and FSDP2 shards each
     rank's experts over the other ``dp_shard / ep`` (``portatrain.parallel.expert``)."""
+    pp: int = 1
+    """Pipeline-parallel degree: the model is split into stages along its blocks, on the outermost mesh
+    dimension (``portatrain.parallel.pipeline``)."""
+    pp_schedule: str = "1F1B"
+    """A ``torch.distributed.pipelining`` schedule: ``GPipe``, ``1F1B``, ``Interleaved1F1B``,
+    ``InterleavedZeroBubble`` or ``ZBVZeroBubble``."""
+    pp_microbatches: int = 0
+    """Micro-batches each step's batch (``data.batch_size`` rows) is split into; 0 means ``pp``."""
+    pp_virtual_stages: int = 1
+    """Stages per pipeline rank (interleaved and zero-bubble schedules; ``ZBVZeroBubble`` takes 2)."""
+    pp_layers: list[int] | None = None
+    """Blocks per stage, first stage first (``pp * pp_virtual_stages`` numbers summing to
+    ``model.n_layers``); None splits them evenly, extra blocks going to the middle stages first."""
     cp: int = 1
     """Context-parallel degree: each row's positions are split over ``cp`` ranks, each holding one
     chunk from the head and one from the tail of the row (rows must be multiples of ``2 * cp``);

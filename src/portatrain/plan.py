@@ -6,6 +6,8 @@ family's estimate (``spec.estimate_memory``) for the configured precision and la
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from portatrain.accelerators import ACCELERATORS, resolve_accelerator
@@ -16,6 +18,7 @@ from portatrain.models import ARCH_OVERRIDES, build_model, get_spec, model_args,
 from portatrain.models.memory import format_memory_report
 from portatrain.parallel.context import context_activation_bytes
 from portatrain.parallel.parallel_dims import ParallelDims, expected_world_size
+from portatrain.parallel.pipeline import describe_stages
 
 
 def training_dtype(dtype_name: str, device_type: str) -> torch.dtype:
@@ -36,14 +39,18 @@ def static_shapes(device_type: str) -> bool:
     return ACCELERATORS[device_type].static_shapes
 
 
-def estimate_for_config(cfg: Config, *, world_size: int | None = None) -> dict[str, int]:
+def estimate_for_config(
+    cfg: Config, *, world_size: int | None = None, args: Any = None, batch_size: int | None = None
+) -> dict[str, int]:
     """The per-device memory estimate the dry run reports for ``cfg`` (bytes per component).
 
     ``world_size``: the real world (a running job); default the world the layout names. Also used
     by ``scripts/bench_memory.py`` and the test that holds the estimate to a measured peak.
+    ``args`` and ``batch_size`` replace the model's arguments and ``data.batch_size`` (a pipeline
+    stage's blocks, a micro-batch).
     """
     spec = get_spec(cfg.model.name)
-    args = model_args(cfg.model)
+    args = model_args(cfg.model) if args is None else args
     par = cfg.parallel
     # Planned for the world the layout names (dp_shard=8 tp=8: 64 devices), nothing launched.
     world = world_size if world_size is not None else expected_world_size(par, dry_run=True)
@@ -55,7 +62,7 @@ def estimate_for_config(cfg: Config, *, world_size: int | None = None) -> dict[s
     # row and FSDP2 shards over dp_shard x cp; the gathered k/v come on top.
     estimate = spec.estimate_memory(
         args,
-        batch_size=cfg.data.batch_size,
+        batch_size=cfg.data.batch_size if batch_size is None else batch_size,
         seq_len=cfg.data.seq_len // par.cp,
         param_dtype_bytes=4,
         grad_dtype_bytes=4,
@@ -124,10 +131,20 @@ def describe_plan(cfg: Config) -> str:
         f"training FLOPs per token: {args.flops_per_token(cfg.data.seq_len) / 1e9:.2f} GFLOP"
         + (f" (active parameters); experts dispatched {experts}" if active != n_params else ""),
         "",
-        format_memory_report(estimate, title="estimated memory per device"),
     ]
-    if cfg.device.memory_gib is not None:
-        lines.append(fit_verdict(estimate["total"], cfg.device.memory_gib))
+    if dims.pp_enabled:  # per pipeline rank: the first and last stages differ
+        lines.append(
+            describe_stages(
+                args,
+                par,
+                batch_size=cfg.data.batch_size,
+                estimate=lambda stage, rows: estimate_for_config(cfg, args=stage, batch_size=rows),
+            )
+        )
+    else:
+        lines.append(format_memory_report(estimate, title="estimated memory per device"))
+        if cfg.device.memory_gib is not None:
+            lines.append(fit_verdict(estimate["total"], cfg.device.memory_gib))
     return "\n".join(lines)
 
 

@@ -112,6 +112,7 @@ from portatrain.nonfinite import NONFINITE_MODES, NonFiniteError, NonFiniteGuard
 from portatrain.optim import build_lr_scheduler, build_optimizer
 from portatrain.parallel import (
     ParallelDims,
+    build_pipeline,
     clip_grad_norm_,
     dp_all_reduce,
     full_tensor_init,
@@ -251,7 +252,21 @@ class Trainer:
         apply_kernels(model, self.kernels)
         # finetune.method=lora (or dpo with lora): the layers LoRA adapts, set while parallelizing.
         self.lora_modules: list[str] = []
-        self.model = self._materialize(self.parallelize(model))
+        # Pipeline parallel (parallel.pp > 1): this rank's stages, each parallelized and materialized as
+        # a whole model is; self.model then holds their parameters under the unsplit model's names.
+        self.pipeline = None
+        if self.parallel_dims.pp_enabled:
+            self.pipeline = build_pipeline(
+                model,
+                self.parallel_dims,
+                cfg.parallel,
+                device=self.device,
+                prepare=lambda part: self._materialize(self.parallelize(part)),
+                autocast=self._autocast,
+            )
+            self.model = self.pipeline.model
+        else:
+            self.model = self._materialize(self.parallelize(model))
         # MFU = the architecture's FLOPs per real token over the device's peak (CPU: measured, cached).
         self.flops_per_token = getattr(model, "flops_per_token", None)
 
@@ -268,6 +283,8 @@ class Trainer:
             if cfg.trainer.loss == "chunked" and type(self).compute_loss is Trainer.compute_loss
             else None
         )
+        if self.pipeline is not None:
+            self.pipeline.configure_loss(self.compute_loss, self._loss_chunk_size)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optim, cfg.trainer.steps)
 
     def _setup_run_services(self) -> None:
@@ -370,7 +387,10 @@ class Trainer:
 
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The loss sum of one micro-batch: ``compute_loss(model(...), batch)``, or with
-        ``trainer.loss=chunked`` the model's forward ending in the chunked loss (no full logits)."""
+        ``trainer.loss=chunked`` the model's forward ending in the chunked loss (no full logits). With
+        pipeline parallel: a forward-only pass through the stages (evaluation)."""
+        if self.pipeline is not None:
+            return self.pipeline.forward_loss(batch)
         inputs = {"positions": batch.get("positions"), "attn_mask": batch.get("attn_mask")}
         if self._loss_chunk_size is not None:
             with self._autocast():
@@ -384,6 +404,8 @@ class Trainer:
         return self.compute_loss(logits, batch)
 
     def forward_backward(self, batch: dict[str, torch.Tensor], num_tokens: torch.Tensor) -> torch.Tensor:
+        if self.pipeline is not None:  # one schedule step: parallel.pp_microbatches forwards and backwards
+            return self.pipeline.forward_backward(batch, num_tokens)
         loss_sum = self.forward_loss(batch)
         (loss_sum / num_tokens).backward()
         return loss_sum.detach()
@@ -475,10 +497,13 @@ class Trainer:
         @torch.no_grad()
         def evaluate(batch: dict[str, torch.Tensor]) -> None:
             self.model.eval()
-            with self._autocast():
-                self.model(
-                    batch["input_ids"], positions=batch.get("positions"), attn_mask=batch.get("attn_mask")
-                )
+            if self.pipeline is not None:  # the schedule's forward-only pass
+                self.forward_loss(batch)
+            else:
+                with self._autocast():
+                    self.model(
+                        batch["input_ids"], positions=batch.get("positions"), attn_mask=batch.get("attn_mask")
+                    )
             self.model.train()
 
         try:
@@ -843,4 +868,6 @@ class Trainer:
 
     def _clip_gradients(self) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
-        return clip_grad_norm_(params, self._max_grad_norm)  # one global norm across FSDP/TP meshes
+        pp_mesh = self.parallel_dims.pp_mesh if self.parallel_dims.pp_enabled else None
+        # one global norm across FSDP/TP meshes and pipeline stages
+        return clip_grad_norm_(params, self._max_grad_norm, pp_mesh=pp_mesh)

@@ -28,6 +28,7 @@ from portatrain.models import get_spec, model_args, model_problems
 from portatrain.optim import optim_problems
 from portatrain.parallel.activation_checkpoint import AC_MODES
 from portatrain.parallel.parallel_dims import expected_world_size, parallel_problems
+from portatrain.parallel.pipeline import pipeline_problems
 from portatrain.profiling import profile_problems
 from portatrain.report import report_problems
 
@@ -105,6 +106,18 @@ def config_problems(cfg: Config) -> list[str]:
     )
     if args is not None:  # the layouts the family's parallel plan cannot apply
         problems += get_spec(cfg.model.name).parallel_problems(cfg.parallel, args)
+    problems += pipeline_problems(
+        cfg.parallel,
+        n_layers=None if args is None else args.n_layers,
+        tie_embeddings=args is not None and args.tie_embeddings,
+        sparse=args is not None and any(args.is_sparse(i) for i in range(args.n_layers)),
+        batch_size=cfg.data.batch_size,
+        collator=cfg.data.collator,
+        compile_enabled=cfg.compile.enabled,
+        compile_granularity=cfg.compile.granularity,
+        evaluates=cfg.trainer.eval_every > 0,
+        device_type=cfg.device.type,
+    )
     return problems
 
 

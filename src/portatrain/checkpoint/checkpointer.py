@@ -686,6 +686,12 @@ def _check_shapes(path: Path, metadata: Any, model_sd: Mapping[str, Any]) -> Non
         if k.startswith("model.") and hasattr(v, "size")
     }
     ours = {k: tuple(v.shape) for k, v in model_sd.items()}
+    if get_world_size() > 1:  # pipeline stages hold different layers: the model is all ranks' together
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * get_world_size()
+        dist.all_gather_object(gathered, ours)
+        ours = {k: shape for rank_shapes in gathered for k, shape in rank_shapes.items()}
     problems = [
         f"{k}: checkpoint {list(saved[k])}, model {list(ours[k])}"
         for k in ours

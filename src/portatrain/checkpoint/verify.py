@@ -18,7 +18,8 @@ finiteness rule that resume and ``portatrain export`` share.
   :class:`DamagedCheckpointError`, the same verdict on every rank.
 
 Every function here is collective when a process group exists: call it on every rank, at the same
-point, with the same keys.
+point. Ranks may hold different keys (pipeline stages hold different layers): the keys are gathered
+first, and a plain tensor counts on the lowest rank that holds it.
 """
 
 from __future__ import annotations
@@ -63,15 +64,16 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).detach()
 
 
-def _counted_here(tensor: torch.Tensor) -> bool:
+def _counted_here(tensor: torch.Tensor, owner: int = 0) -> bool:
     """Whether this rank's part of ``tensor`` enters the global sum: each element counts once.
 
     A DTensor's shard counts on the ranks at coordinate 0 of every mesh dimension it is replicated
-    over; a plain tensor (the same on every rank, e.g. an optimizer step count) counts on rank 0.
+    over; a plain tensor (the same on every rank holding it, e.g. an optimizer step count) counts on
+    ``owner``, the lowest rank that holds it.
     """
     mesh = getattr(tensor, "device_mesh", None)
     if mesh is None:
-        return get_rank() == 0
+        return get_rank() == owner
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         return False
@@ -85,6 +87,21 @@ def _device(tensors: Iterable[torch.Tensor]) -> torch.device:
         if local.device.type not in ("cpu", "meta"):
             return local.device
     return torch.device("cpu")
+
+
+def _every_rank_keys(local: Mapping[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """The union of every rank's ``{key: element size}`` and, per key, the lowest rank holding it."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return dict(local), dict.fromkeys(local, get_rank())
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, dict(local))
+    union: dict[str, int] = {}
+    owner: dict[str, int] = {}
+    for rank, keys in enumerate(gathered):
+        for key, size in keys.items():
+            union.setdefault(key, size)
+            owner.setdefault(key, rank)
+    return union, owner
 
 
 def _sum_over_ranks(vector: torch.Tensor) -> torch.Tensor:
@@ -101,19 +118,25 @@ def _word_sum(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def checksums(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
-    """``{key: checksum}`` of every tensor (collective; one all-reduce of one int64 per tensor)."""
-    keys = sorted(k for k, t in tensors.items() if t.element_size() in _INT_OF_WIDTH)
+    """``{key: checksum}`` of every tensor of every rank (collective; one all-reduce of one int64 per
+    tensor)."""
+    sizes, owner = _every_rank_keys(
+        {k: t.element_size() for k, t in tensors.items() if t.element_size() in _INT_OF_WIDTH}
+    )
+    keys = sorted(sizes)
     if not keys:
         return {}
     device = _device(tensors.values())
     zero = torch.zeros((), dtype=torch.int64, device=device)
     parts = [
-        _word_sum(tensors[k]).to(device) if _counted_here(tensors[k]) and _local(tensors[k]).numel() else zero
+        _word_sum(tensors[k]).to(device)
+        if k in tensors and _counted_here(tensors[k], owner[k]) and _local(tensors[k]).numel()
+        else zero
         for k in keys
     ]
     totals = _sum_over_ranks(torch.stack(parts)).tolist()
     # Shards were summed in their own width, then added in int64: reduce back to that width.
-    return {k: int(v) % (1 << (8 * _local(tensors[k]).element_size())) for k, v in zip(keys, totals)}
+    return {k: int(v) % (1 << (8 * sizes[k])) for k, v in zip(keys, totals)}
 
 
 def state_bytes(tree: Mapping[str, Any]) -> int:
@@ -128,7 +151,7 @@ def nonfinite_keys(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     First one sum per tensor (a NaN or inf anywhere makes it non-finite; one fast pass), then, for the
     rare tensor whose sum overflowed or is non-finite, the element-wise test that decides.
     """
-    floats = sorted(k for k, t in tensors.items() if t.is_floating_point())
+    floats = sorted(_every_rank_keys({k: 0 for k, t in tensors.items() if t.is_floating_point()})[0])
     candidates = _flagged(tensors, floats, lambda local: ~torch.isfinite(local.sum()))
     return _flagged(tensors, candidates, lambda local: ~torch.isfinite(local).all())
 
@@ -136,10 +159,10 @@ def nonfinite_keys(tensors: Mapping[str, torch.Tensor]) -> list[str]:
 def _flagged(tensors: Mapping[str, torch.Tensor], keys: list[str], bad: Any) -> list[str]:
     if not keys:
         return []
-    device = _device(tensors[k] for k in keys)
+    device = _device(tensors[k] for k in keys if k in tensors)
     flags = [
         bad(_local(tensors[k])).to(device, torch.int64)
-        if _local(tensors[k]).numel()
+        if k in tensors and _local(tensors[k]).numel()
         else torch.zeros((), dtype=torch.int64, device=device)
         for k in keys
     ]
@@ -164,8 +187,8 @@ def verify_loaded(
     if saved is not None and saved.get("algorithm") == ALGORITHM:
         expected = saved.get("tensors", {})
         keys = [k for k in tensors if k in expected and saved_dtypes.get(k) == tensors[k].dtype]
-        actual = checksums({k: tensors[k] for k in keys})
-        wrong = [k for k in sorted(keys) if actual[k] != expected[k]]
+        actual = checksums({k: tensors[k] for k in keys})  # every rank's keys: one verdict everywhere
+        wrong = [k for k in sorted(actual) if actual[k] != expected[k]]
         if wrong:
             raise DamagedCheckpointError(
                 f"checkpoint {path} is damaged: the content checksum of {some(wrong)} does not match the "

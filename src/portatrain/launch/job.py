@@ -56,8 +56,27 @@ def describe_job(cfg: Any) -> str:
     dims = ParallelDims.from_config(cfg.parallel, world_size=launch.nodes * launch.procs_per_node)
     return (
         f"recipe {cfg.recipe}, {launch.nodes} node(s) x {launch.procs_per_node} process(es), "
-        f"{dims.describe()}"
+        f"{dims.describe()}{placement(dims, launch.procs_per_node)}"
     )
+
+
+def placement(dims: Any, procs_per_node: int) -> str:
+    """Where the pipeline and tensor-parallel groups fall (``""`` without either). torchrun numbers a
+    host's processes consecutively and the mesh is row-major with ``tp`` innermost and ``pp`` outermost,
+    so a tp group is ``tp`` consecutive ranks (one host when ``tp`` divides ``procs_per_node``) and
+    pipeline stage ``s`` is ranks ``[s W/pp, (s+1) W/pp)``: whole hosts when ``W/pp`` is a multiple of
+    ``procs_per_node``, so only the stage-to-stage activations cross the network between hosts."""
+    parts = []
+    if dims.tp > 1:
+        inside = procs_per_node % dims.tp == 0
+        parts.append(f"tp groups {'inside one host each' if inside else 'spanning hosts'}")
+    if dims.pp > 1:
+        per_stage = dims.world_size // dims.pp
+        if per_stage % procs_per_node == 0:
+            parts.append(f"each pipeline stage on {per_stage // procs_per_node} host(s) of its own")
+        else:
+            parts.append(f"pipeline stages of {per_stage} rank(s) sharing hosts")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _key(override: str) -> str:

@@ -20,10 +20,12 @@ from torch import nn
 from portatrain.config import ParallelConfig
 from portatrain.dtypes import dtype_from_name
 from portatrain.parallel.parallel_dims import ParallelDims, expected_world_size
+from portatrain.parallel.pipeline import build_pipeline
 from portatrain.parallel.utils import clip_grad_norm_, dp_all_reduce, full_tensor_init, token_all_reduce
 
 __all__ = [
     "ParallelDims",
+    "build_pipeline",
     "clip_grad_norm_",
     "dp_all_reduce",
     "expected_world_size",

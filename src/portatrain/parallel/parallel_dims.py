@@ -2,12 +2,13 @@
 
 What this file does:
 
-* :class:`ParallelDims` -- the degrees ``dp_replicate x dp_shard x cp x tp`` resolved against a world
-  size (``dp_shard=-1`` takes whatever the other degrees leave), and the expert-parallel degree ``ep``
-  taken from the ``dp_shard`` ranks, checked before anything is built: every problem is reported at
-  once, with the numbers and the fix, as a :class:`~portatrain.errors.ConfigError`.
-* :meth:`ParallelDims.build_mesh` -- one 4-D mesh ``("dp_replicate", "dp_shard", "cp", "tp")`` on the
-  accelerator's device type, plus the flattened ``"dp"`` dimension (``dp_replicate * dp_shard``
+* :class:`ParallelDims` -- the degrees ``pp x dp_replicate x dp_shard x cp x tp`` resolved against a
+  world size (``dp_shard=-1`` takes whatever the other degrees leave), and the expert-parallel degree
+  ``ep`` taken from the ``dp_shard`` ranks, checked before anything is built: every problem is reported
+  at once, with the numbers and the fix, as a :class:`~portatrain.errors.ConfigError`.
+* :meth:`ParallelDims.build_mesh` -- one mesh ``("dp_replicate", "dp_shard", "cp", "tp")`` on the
+  accelerator's device type, with ``"pp"`` outermost when pipeline parallel is on (``parallel.pp > 1``,
+  ``portatrain.parallel.pipeline``), plus the flattened ``"dp"`` dimension (``dp_replicate * dp_shard``
   ranks that read different rows) used by the data loader and the token counts; with ``cp > 1``
   (context parallel, ``portatrain.parallel.context``: the ``cp`` ranks split each row's positions)
   also ``"dp_shard_cp"``, the ranks FSDP2 shards parameters over (torchtitan folds cp into FSDP the
@@ -21,9 +22,11 @@ What this file does:
 * :func:`parallel_problems` -- the parallel stage's part of config validation (``portatrain.validate``):
   dtypes, scheduler, layout against the world size, the model's heads and the rows' lengths.
 
-Rank order is row-major over ``(dp_replicate, dp_shard, cp, tp)``: tp is the fastest-varying dimension,
+Rank order is row-major over ``([pp,] dp_replicate, dp_shard, cp, tp)``: tp is the fastest-varying dimension,
 so a tp group is ``tp`` consecutive ranks -- on one host when ``tp <= procs_per_node``, where
-tensor-parallel traffic (two collectives per block, forward and backward) stays on the fast links.
+tensor-parallel traffic (two collectives per block, forward and backward) stays on the fast links; pp
+is the slowest, so consecutive pipeline stages sit ``world / pp`` ranks apart, on different hosts when a
+stage fills a host: only one activation per micro-batch crosses the slow links.
 
 Importing this module is cheap: ``torch.distributed`` is imported only by :meth:`build_mesh`.
 """
@@ -43,6 +46,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
+PP_MESH_DIM_NAMES = ("pp", *MESH_DIM_NAMES)
 EXPERT_MESH_DIM_NAMES = ("dp_replicate", "efsdp", "ep", "tp")
 
 
@@ -63,6 +67,8 @@ class ParallelDims:
     """Expert-parallel degree, a divisor of ``dp_shard`` (experts split over ``ep`` of its ranks)."""
     cp: int = 1
     """Context-parallel degree: each row's positions are split over ``cp`` ranks."""
+    pp: int = 1
+    """Pipeline-parallel degree: the outermost mesh dimension, one stage group per ``world / pp`` ranks."""
     mesh: DeviceMesh | None = field(default=None, repr=False)
     """The world mesh, set by :meth:`build_mesh`; None on a single process."""
     expert_mesh: DeviceMesh | None = field(default=None, repr=False)
@@ -73,12 +79,12 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         problems = layout_problems(
-            self.dp_replicate, self.dp_shard, self.tp, self.world_size, self.ep, cp=self.cp
+            self.dp_replicate, self.dp_shard, self.tp, self.world_size, self.ep, cp=self.cp, pp=self.pp
         )
         if problems:
             raise ConfigError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
         if self.dp_shard == -1:
-            self.dp_shard = self.world_size // (self.dp_replicate * self.cp * self.tp)
+            self.dp_shard = self.world_size // (self.pp * self.dp_replicate * self.cp * self.tp)
 
     @classmethod
     def from_config(cls, parallel_cfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -90,6 +96,7 @@ class ParallelDims:
             world_size=int(world_size),
             ep=int(parallel_cfg.ep),
             cp=int(parallel_cfg.cp),
+            pp=int(parallel_cfg.pp),
         )
 
     # -- degrees ---------------------------------------------------------------------------
@@ -125,11 +132,16 @@ class ParallelDims:
     def ep_enabled(self) -> bool:
         return self.ep > 1
 
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
     def describe(self) -> str:
         experts = f" (experts over ep={self.ep} of the dp_shard ranks)" if self.ep_enabled else ""
         cp = f" x cp={self.cp}" if self.cp_enabled else ""
+        pipeline = f"pp={self.pp} x " if self.pp_enabled else ""
         return (
-            f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}{cp} x tp={self.tp} "
+            f"{pipeline}dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}{cp} x tp={self.tp} "
             f"= {self.world_size} device{'s' if self.world_size != 1 else ''}{experts}"
         )
 
@@ -147,9 +159,10 @@ class ParallelDims:
             return None
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(
-            device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp), mesh_dim_names=MESH_DIM_NAMES
-        )
+        shape, names = (self.dp_replicate, self.dp_shard, self.cp, self.tp), MESH_DIM_NAMES
+        if self.pp_enabled:  # outermost: a stage's dp and tp groups are whole sub-meshes of one slice
+            shape, names = (self.pp, *shape), PP_MESH_DIM_NAMES
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         # Flatten now, on every rank (creating a group is collective), and keep the handle: torch
         # deprecates slicing a flattened dimension back out of the root mesh.
         self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
@@ -220,18 +233,28 @@ class ParallelDims:
         return mesh["dp_replicate", "efsdp"] if self.dp_replicate_enabled else mesh["efsdp"]
 
     @property
+    def pp_mesh(self) -> DeviceMesh:
+        """The ``pp`` ranks holding the stages of one pipeline (same data, same tp coordinate)."""
+        return self._require_mesh()["pp"]
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's index among the ``pp`` pipeline ranks (0 without pipeline parallel)."""
+        return self.pp_mesh.get_local_rank() if self.pp_enabled else 0
+
+    @property
     def dp_rank(self) -> int:
         """This rank's index among the ``dp`` data-parallel ranks (0 on a single process)."""
         return 0 if self._dp_mesh is None else self._dp_mesh.get_local_rank()
 
 
 def layout_problems(
-    dp_replicate: int, dp_shard: int, tp: int, world_size: int, ep: int = 1, *, cp: int = 1
+    dp_replicate: int, dp_shard: int, tp: int, world_size: int, ep: int = 1, *, cp: int = 1, pp: int = 1
 ) -> list[str]:
-    """Every reason ``dp_replicate x dp_shard x cp x tp`` (experts over ``ep`` of the ``dp_shard``
+    """Every reason ``pp x dp_replicate x dp_shard x cp x tp`` (experts over ``ep`` of the ``dp_shard``
     ranks) cannot run on ``world_size`` ranks, each with a fix."""
     problems = []
-    for name, value in (("dp_replicate", dp_replicate), ("tp", tp), ("ep", ep), ("cp", cp)):
+    for name, value in (("dp_replicate", dp_replicate), ("tp", tp), ("ep", ep), ("cp", cp), ("pp", pp)):
         if value < 1:
             problems.append(f"parallel.{name}={value} must be >= 1")
     if dp_shard == 0 or dp_shard < -1:
@@ -246,29 +269,36 @@ def layout_problems(
             "yet; set parallel.ep=1 (FSDP2 still shards the experts) or parallel.cp=1"
         )
 
+    if pp > 1 and cp > 1:
+        problems.append(
+            f"parallel.pp={pp} with parallel.cp={cp}: pipeline parallel and context parallel do not combine "
+            "yet; set parallel.pp=1 or parallel.cp=1"
+        )
+    # pp and cp are named only when they are on: a layout without them reads as it always did.
+    pp_term, pp_key = (f"pp({pp}) * ", "parallel.pp/") if pp > 1 else ("", "")
     cp_term = f" * cp({cp})" if cp > 1 else ""
     if dp_shard == -1:
-        others = dp_replicate * cp * tp
+        others = pp * dp_replicate * cp * tp
         if world_size % others:
             fits = others * max(1, world_size // others)
             problems.append(
-                f"dp_replicate({dp_replicate}){cp_term} * tp({tp}) = {others} does not divide world size "
-                f"{world_size}, so parallel.dp_shard=-1 cannot be inferred; launch a multiple of "
-                f"{others} processes (e.g. {fits}) or change parallel.dp_replicate/parallel.tp"
+                f"{pp_term}dp_replicate({dp_replicate}){cp_term} * tp({tp}) = {others} does not divide world "
+                f"size {world_size}, so parallel.dp_shard=-1 cannot be inferred; launch a multiple of "
+                f"{others} processes (e.g. {fits}) or change {pp_key}parallel.dp_replicate/parallel.tp"
                 + ("/parallel.cp" if cp > 1 else "")
             )
             return problems
         return problems + _ep_problems(ep, world_size // others, inferred=True)
 
-    product = dp_replicate * dp_shard * cp * tp
+    product = pp * dp_replicate * dp_shard * cp * tp
     if product != world_size:
         fixes = []
-        others = dp_replicate * cp * tp
+        others = pp * dp_replicate * cp * tp
         if world_size % others == 0:
             fixes.append(f"set parallel.dp_shard={world_size // others} (or -1 to infer it)")
         fixes.append(f"launch {product} processes")
         problems.append(
-            f"dp_replicate({dp_replicate}) * dp_shard({dp_shard}){cp_term} * tp({tp}) = {product} != world "
+            f"{pp_term}dp_replicate({dp_replicate}) * dp_shard({dp_shard}){cp_term} * tp({tp}) = {product} != world "
             f"size {world_size}; {' or '.join(fixes)}"
         )
     return problems + _ep_problems(ep, dp_shard, inferred=False)
@@ -320,8 +350,8 @@ def expected_world_size(parallel_cfg: ParallelConfig, *, dry_run: bool = False) 
     launched = par.launch.nodes * par.launch.procs_per_node
     if dry_run:
         if par.dp_shard > 0:
-            return par.dp_replicate * par.dp_shard * par.cp * par.tp
-        return max(launched, par.dp_replicate * par.cp * par.tp)
+            return par.pp * par.dp_replicate * par.dp_shard * par.cp * par.tp
+        return max(launched, par.pp * par.dp_replicate * par.cp * par.tp)
     return launched
 
 
@@ -366,7 +396,9 @@ def parallel_problems(
             problems.append(f"parallel.launch.{name}={getattr(launch, name)} must be >= 1")
     if problems:
         return problems
-    problems += layout_problems(par.dp_replicate, par.dp_shard, par.tp, world_size, par.ep, cp=par.cp)
+    problems += layout_problems(
+        par.dp_replicate, par.dp_shard, par.tp, world_size, par.ep, cp=par.cp, pp=par.pp
+    )
     if par.tp > 1:
         if model_args is not None:
             a = model_args

@@ -23,6 +23,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from portatrain.parallel.parallel_dims import ParallelDims
 
 # In-place initializers that draw random numbers. Each receives the tensor to fill first.
@@ -109,7 +111,11 @@ def full_tensor_init(enabled: bool = True) -> Iterator[None]:
 
 
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    pp_mesh: DeviceMesh | None = None,
 ) -> torch.Tensor:
     """Clip gradients to a global norm across every mesh they live on; return that norm.
 
@@ -118,6 +124,8 @@ def clip_grad_norm_(
     ``Shard`` placement becomes a ``Partial`` norm that ``full_tensor()`` sums; a ``Replicate`` is
     counted once), but cannot mix meshes, so norms are taken per mesh and combined here. The result
     is a plain tensor, identical on every rank, equal to the single-device norm of the same gradients.
+    With pipeline parallel (``pp_mesh``) each rank holds its stages' parameters only: the norms of
+    the ``pp`` ranks are combined too.
     """
     params = [p for p in parameters if p.grad is not None]
     if not params:
@@ -133,6 +141,11 @@ def clip_grad_norm_(
     device = norms[0].device
     norms = torch.stack([n.to(device) for n in norms])
     total = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum().pow(1.0 / norm_type)
+    if pp_mesh is not None:
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        total = total if math.isinf(norm_type) else total.pow(norm_type)
+        dist.all_reduce(total, op=op, group=pp_mesh.get_group())
+        total = total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
     if math.isfinite(max_norm):
         # Per mesh as well: a foreach op cannot mix DTensors of different meshes (expert parallel's
         # experts have their own); ``total`` is a plain tensor, the same factor for every group.

@@ -285,6 +285,10 @@ class Decoder(nn.Module):
     With ``tie_embeddings`` there is no ``lm_head`` module at all: the output projection reads
     ``embed_tokens.weight`` directly. A second module holding the same ``Parameter`` would be
     silently untied by ``to_empty`` and by per-module sharding.
+
+    A pipeline stage (``portatrain.parallel.pipeline``) is this model with parts removed: without
+    ``embed_tokens`` it takes hidden states ``[B, S, dim]`` instead of token ids, without ``norm`` (and
+    ``lm_head``) it returns the hidden states after its blocks.
     """
 
     def __init__(self, args: Any) -> None:
@@ -315,8 +319,10 @@ class Decoder(nn.Module):
     def init_weights(self, std: float = 0.02) -> None:
         """Initialize every parameter and rebuild the RoPE tables on their current device.
 
-        Deterministic under the current torch seed (parameters are drawn in a fixed order).
-        Weights are truncated normal with ``std``; the two projections that write into the
+        Deterministic under the current torch seed: each part (the embedding, block ``i``, the final
+        norm and head) draws from its own seed, derived from that seed and the part's place in the
+        unsplit model, so a pipeline stage holding some of the parts initializes them exactly as the
+        whole model does. Weights are truncated normal with ``std``; the two projections that write into the
         residual stream (``o_proj``, ``down_proj``) use ``std / sqrt(2 * n_layers)`` (GPT-2,
         Megatron) so the residual's variance does not grow with depth. Norm gains start at 1.
         """
@@ -324,12 +330,19 @@ class Decoder(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         out_std = std / math.sqrt(2 * self.args.n_layers)
-        trunc_normal_(self.embed_tokens.weight, std)
-        for block in self.layers.values():
+        seed = torch.initial_seed()
+        if self.embed_tokens is not None:
+            torch.manual_seed(seed)
+            trunc_normal_(self.embed_tokens.weight, std)
+        for name, block in self.layers.items():
+            torch.manual_seed(seed + 1 + int(name))
             block.init_weights(std, out_std)
-        self.norm.reset_parameters()
+        if self.norm is not None:
+            self.norm.reset_parameters()
         if self.lm_head is not None:
+            torch.manual_seed(seed + 1 + self.args.n_layers)
             trunc_normal_(self.lm_head.weight, std)
+        torch.manual_seed(seed)
 
     def forward(
         self,
@@ -353,7 +366,7 @@ class Decoder(nn.Module):
                 the projection (e.g. ``portatrain.losses``' chunked loss, which never builds the full
                 logits). Inside ``forward``, so FSDP2 has the matrix gathered.
         """
-        seq_len = tokens.shape[1]
+        seq_len = tokens.shape[1]  # token ids [B, S], or a later pipeline stage's hidden states [B, S, dim]
         if seq_len > self.args.max_seq_len:
             raise ValueError(
                 f"sequence length {seq_len} > max_seq_len {self.args.max_seq_len}; "
@@ -365,9 +378,11 @@ class Decoder(nn.Module):
             cos = self.rope_cos[positions].unsqueeze(1)  # [B, 1, S, D]
             sin = self.rope_sin[positions].unsqueeze(1)
 
-        h = self.embed_tokens(tokens)
+        h = tokens if self.embed_tokens is None else self.embed_tokens(tokens)
         for block in self.layers.values():
             h = block(h, cos, sin, attn_mask)
+        if self.norm is None:  # a pipeline stage before the last
+            return h
         h = self.norm(h)
         if output_fn is not None:
             return output_fn(h, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)

@@ -100,7 +100,7 @@ def parallelize_decoder(
                 _compile_around_experts(block, compile_block)
             else:
                 model.layers[name] = compile_block(block)
-        if parallel_dims.tp_enabled:
+        if parallel_dims.tp_enabled and model.embed_tokens is not None:
             _detach_view_from_compiled_blocks(model)
     if parallel_dims.fsdp_enabled:
         apply_fsdp(
@@ -226,15 +226,19 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     :func:`_tied_output_projection`.
 
     Sequence parallel needs every row length to be a multiple of ``tp`` (validated with the config).
+    A pipeline stage lacks some of the root's parts; between stages the activation travels as
+    this rank's sequence shard, the same plain ``[B, S/tp, dim]`` tensor the blocks pass each other.
     """
-    root_plan: dict[str, ParallelStyle] = {
-        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-    }
+    root_plan: dict[str, ParallelStyle] = {}
+    if model.embed_tokens is not None:
+        root_plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        root_plan["norm"] = SequenceParallel()
     if model.lm_head is not None:
         root_plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
-    parallelize_module(model, tp_mesh, root_plan)
-    if model.lm_head is None:
+    if root_plan:
+        parallelize_module(model, tp_mesh, root_plan)
+    if model.args.tie_embeddings:
         _tied_output_projection(model)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan(block))
@@ -325,12 +329,12 @@ def apply_fsdp(
             fully_shard(moe.experts, **{**config, "mesh": expert_mesh}, shard_placement_fn=placement)
             for method in ("grouped", "batched"):
                 register_fsdp_forward_method(moe.experts, method)
-    tied = model.lm_head is None
-    if not tied:
+    tied = model.args.tie_embeddings
+    if not tied and model.embed_tokens is not None:  # (a later pipeline stage has none)
         fully_shard(model.embed_tokens, **config)
     for block in model.layers.values():
         fully_shard(block, **config)
-    if not tied:
+    if not tied and model.lm_head is not None:  # (an earlier pipeline stage has none)
         fully_shard([model.norm, model.lm_head], **config, reshard_after_forward=False)
     fully_shard(model, **config)
     for module in model.modules():

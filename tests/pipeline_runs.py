@@ -1,0 +1,44 @@
+"""Several training runs in one ``torchrun`` launch (its processes start and join the process group once).
+
+``python -m torch.distributed.run --nproc-per-node=N tests/pipeline_runs.py RUNS.json``, where RUNS.json
+is a list of ``{"run_dir": ..., "overrides": [...]}``: each run is composed as the CLI composes it, trained
+by a Trainer, and closed; the process group stays up between runs (the last close tears it down).
+``tests/test_pipeline.py`` uses it to check several pipeline layouts for the price of one start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch.distributed as dist
+
+import portatrain.trainer
+from portatrain.trainer import Trainer
+from portatrain.validate import validate
+from tests.helpers import compose_config
+
+
+def main(path: str) -> None:
+    runs = json.loads(Path(path).read_text())
+    teardown = portatrain.trainer.destroy_distributed
+    portatrain.trainer.destroy_distributed = lambda: dist.barrier()  # keep the group between runs
+    for i, run in enumerate(runs):
+        if i == len(runs) - 1:
+            portatrain.trainer.destroy_distributed = teardown
+        cfg = compose_config(run["overrides"], run_dir=run["run_dir"])
+        validate(cfg)
+        trainer = Trainer(cfg)
+        try:
+            trainer.fit()
+        except BaseException:
+            traceback.print_exc()  # now: closing waits for the other ranks, which may wait for this one
+            raise
+        finally:
+            trainer.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

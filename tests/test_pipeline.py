@@ -1,0 +1,332 @@
+"""Pipeline parallelism (``parallel.pp``, ``portatrain.parallel.pipeline``).
+
+* The split: blocks per stage (even, extra blocks to the middle stages, or ``parallel.pp_layers``), the
+  stages of a rank (loop or V), the parts cut from a meta model (embedding first, norm and head last,
+  unsplit names), and the initialization of the parts equal to the whole model's.
+* Bad input, refused by validation with one line each and exit 2, before any process group starts.
+* Under ``torchrun`` (slow tier), several layouts per launch (``tests/pipeline_runs.py``): every schedule
+  on 2 processes, pp2 x dp2 and pp2 x tp2 on 4 (with activation checkpointing and compiled blocks),
+  pp2 x dp2 x tp2 on 8, each equal to one process on the same global batch within 1e-5; evaluation
+  through the pipeline; a checkpoint saved at pp=2 resumes at pp=1, one saved at pp=1 resumes at pp=2
+  with two stages a rank, and ``portatrain export`` reads a pipelined checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from portatrain.launch import render_job
+from portatrain.models import build_model
+from portatrain.parallel.parallel_dims import layout_problems
+from portatrain.parallel.pipeline import bubble_fraction, split_model, stage_ids, stage_layers
+from portatrain.plan import describe_plan
+from portatrain.validate import config_problems
+from tests.helpers import ROOT, TINY, compose_config, fit, read_metrics, run_cli, train_records
+
+STEPS = 3
+RUN = [*TINY, f"trainer.steps={STEPS}", "checkpoint.enabled=false"]  # 4 rows of 64 tokens a step
+PP2 = ["parallel.pp=2", "parallel.pp_microbatches=2"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The split
+# ---------------------------------------------------------------------------------------------
+
+
+def test_blocks_split_evenly_extra_ones_to_the_middle_or_as_given() -> None:
+    assert stage_layers(4, 2) == [[0, 1], [2, 3]]
+    assert stage_layers(7, 4) == [[0, 1], [2, 3], [4, 5], [6]]  # middle stages first, then the first
+    assert stage_layers(6, 4) == [[0], [1, 2], [3, 4], [5]]
+    assert stage_layers(5, 2) == [[0, 1, 2], [3, 4]]
+    assert stage_layers(4, 2, [1, 3]) == [[0], [1, 2, 3]]
+
+
+def test_a_rank_runs_stages_in_a_loop_or_in_a_v() -> None:
+    assert stage_ids(0, 2, 1, "1F1B") == [0]
+    assert stage_ids(1, 4, 2, "Interleaved1F1B") == [1, 5]
+    assert stage_ids(0, 2, 2, "ZBVZeroBubble") == [0, 3]
+    assert stage_ids(1, 2, 2, "ZBVZeroBubble") == [1, 2]
+
+
+def test_the_bubble_is_p_minus_1_over_m_plus_p_minus_1() -> None:
+    assert bubble_fraction("1F1B", 4, 4) == pytest.approx(3 / 7)
+    assert bubble_fraction("GPipe", 2, 8) == pytest.approx(1 / 9)
+    assert bubble_fraction("Interleaved1F1B", 4, 4, virtual=2) == pytest.approx(3 / 11)
+
+
+def test_parts_keep_the_unsplit_names_and_initialize_as_the_whole_model() -> None:
+    cfg = compose_config(RUN)
+    with torch.device("meta"):
+        whole = build_model(cfg.model, vocab_size=258)
+    layers = stage_layers(whole.args.n_layers, 4, [1, 1, 1, 1])
+    parts = split_model(whole, layers, [0, 1, 2, 3])
+    assert parts[0].embed_tokens is not None and parts[0].norm is None and parts[0].lm_head is None
+    assert parts[3].embed_tokens is None and parts[3].norm is not None and parts[3].lm_head is not None
+    assert [list(p.layers) for p in parts] == [["0"], ["1"], ["2"], ["3"]]
+    names = [n for p in parts for n, _ in p.named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in whole.named_parameters())
+
+    def init(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        model.to_empty(device="cpu")
+        torch.manual_seed(7)
+        model.init_weights(0.02)
+        return dict(model.state_dict())
+
+    reference = init(build_model(cfg.model, vocab_size=258))
+    for part in parts:
+        for name, tensor in init(part).items():
+            assert torch.equal(tensor, reference[name]), name
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------------
+
+
+def test_pp_must_divide_the_world_size() -> None:
+    (problem,) = layout_problems(dp_replicate=1, dp_shard=-1, tp=1, world_size=6, pp=4)
+    assert "pp(4) * dp_replicate(1) * tp(1) = 4 does not divide world size 6" in problem
+    (problem,) = layout_problems(dp_replicate=1, dp_shard=2, tp=2, world_size=4, pp=2)
+    assert "pp(2) * dp_replicate(1) * dp_shard(2) * tp(2) = 8 != world size 4" in problem
+    assert "set parallel.dp_shard=1" in problem
+    assert layout_problems(dp_replicate=1, dp_shard=-1, tp=2, world_size=8, pp=2) == []
+
+
+def test_bad_pipeline_settings_are_one_line_each_before_any_process_starts(tmp_path: Path) -> None:
+    base = ["device=cpu", "data.batch_size=6"]
+    out = run_cli(
+        [
+            *base,
+            "dry_run=true",
+            "parallel.pp=4",
+            "parallel.pp_virtual_stages=2",  # 1F1B runs one stage a rank; 8 stages > 4 blocks
+            "parallel.pp_microbatches=4",  # does not divide 6 rows
+            "compile=enabled",
+            "compile.granularity=model",
+            "data.collator=bucket",
+        ],
+        cwd=tmp_path,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    for line in (
+        "parallel.pp_virtual_stages=2: 1F1B runs one stage per rank",
+        "the model has 4 blocks, fewer than the pp(4) * pp_virtual_stages(2) = 8 pipeline stages",
+        "parallel.pp_microbatches=4 must divide data.batch_size=6",
+        "compile.granularity=model with parallel.pp=4",
+        "parallel.pp=4 with data.collator=bucket",
+    ):
+        assert line in out.stderr, (line, out.stderr[-3000:])
+
+
+def test_bad_schedule_settings_and_world_size_are_config_problems(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    zbv = [
+        "dry_run=true",
+        "parallel.pp=2",
+        "parallel.pp_schedule=ZBVZeroBubble",  # needs exactly 2 stages a rank, no compile
+        "compile=enabled",
+        "parallel.activation_checkpointing=selective",
+        "trainer.eval_every=10",
+    ]
+    problems = "\n".join(config_problems(compose_config(zbv)))
+    for line in (
+        "parallel.pp_virtual_stages=1: ZBVZeroBubble places exactly two stages on each rank",
+        "parallel.pp_schedule=ZBVZeroBubble with compile.enabled=true",
+        "parallel.pp_schedule=ZBVZeroBubble with parallel.activation_checkpointing=selective",
+        "parallel.pp_schedule=ZBVZeroBubble with trainer.eval_every>0",
+    ):
+        assert line in problems, (line, problems)
+
+    launched = ["parallel.pp=2", "parallel.pp_microbatches=1", "parallel.pp_layers=[1,2]"]  # on 1 process
+    problems = "\n".join(config_problems(compose_config(launched)))
+    assert "pp(2) * dp_replicate(1) * tp(1) = 2 does not divide world size 1" in problems
+    assert "1F1B needs at least one micro-batch per stage (pp=2)" in problems
+    assert "parallel.pp_layers=[1, 2] must give 2 stages" in problems and "pp_layers=[2,2]" in problems
+    (problem,) = config_problems(compose_config(["dry_run=true", "device=sim", "parallel.pp=2"]))
+    assert "parallel.pp=2 with device=sim" in problem and "deadlock" in problem
+    interleaved = ["dry_run=true", "parallel.pp=4", "parallel.pp_schedule=Interleaved1F1B"]
+    assert config_problems(compose_config([*interleaved, "parallel.pp_microbatches=8"])) == []
+    (problem,) = config_problems(
+        compose_config([*interleaved, "parallel.pp_microbatches=9", "data.batch_size=9"])
+    )
+    assert "Interleaved1F1B runs them in pp_microbatches // pp(4) = 2 rounds" in problem
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning and jobs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_plan_gives_the_bubble_and_memory_per_pipeline_rank() -> None:
+    cfg = compose_config([*RUN, "dry_run=true", "parallel.pp=2", "parallel.pp_microbatches=4"])
+    plan = describe_plan(cfg)
+    assert "pipeline: 1F1B, pp=2 x 1 stage(s) a rank, 4 micro-batches of 1 row(s)" in plan
+    assert "bubble (p-1)/(m+p-1) = 20.0%" in plan
+    rows = [line.split() for line in plan.splitlines() if line[:2] in ("0 ", "1 ")]
+    (first, last) = rows
+    assert first[1:3] == ["0", "0-1"] and last[1:3] == ["1", "2-3"]
+    # 1F1B: the first stage holds pp micro-batches in flight, the last one; the parameters differ by
+    # the embedding (first) against the final norm and head (last).
+    assert (first[4], last[4]) == ("2", "1")
+    assert int(first[3].replace(",", "")) + int(last[3].replace(",", "")) == 853_632
+
+
+def test_rendered_jobs_place_the_pipeline_across_hosts_and_tp_inside_one() -> None:
+    overrides = [
+        "recipe=llama8b",
+        "parallel.launch.nodes=4",
+        "parallel.launch.procs_per_node=8",
+        "parallel.pp=2",
+        "parallel.tp=8",
+        "parallel.pp_microbatches=2",
+    ]
+    text = render_job(compose_config(overrides), overrides).text
+    assert (
+        "pp=2 x dp_replicate=1 x dp_shard=2 x tp=8 = 32 devices (tp groups inside one host each; each "
+        "pipeline stage on 2 host(s) of its own)" in text
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Training under torchrun against one process
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """One process, global batch 4: the training records, the evaluation loss, and a checkpoint at
+    step 2 (``checkpoint``)."""
+    run_dir = tmp_path_factory.mktemp("one")
+    fit([*RUN, "trainer.eval_every=3", "checkpoint.enabled=true", "checkpoint.every=2"], run_dir)
+    records = read_metrics(run_dir)
+    return {
+        "train": [r for r in records if "loss" in r],
+        "eval": [r["eval_loss"] for r in records if "eval_loss" in r],
+        "checkpoint": run_dir / "checkpoints" / "step_0000002",
+    }
+
+
+def _launch(nproc: int, runs: dict[str, list[str]], tmp_path: Path) -> dict[str, Path]:
+    """Train every run of ``runs`` (name -> overrides) in one torchrun launch of ``nproc`` processes."""
+    dirs = {name: tmp_path / name for name in runs}
+    spec = [{"run_dir": str(dirs[name]), "overrides": overrides} for name, overrides in runs.items()]
+    (tmp_path / "runs.json").write_text(json.dumps(spec))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    out = subprocess.run(
+        [*cmd, str(ROOT / "tests" / "pipeline_runs.py"), str(tmp_path / "runs.json")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    return dirs
+
+
+def _assert_same_steps(got: list[dict], want: list[dict], what: str) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want], what
+    for g, w in zip(got, want, strict=True):
+        assert g["loss"] == pytest.approx(w["loss"], abs=1e-5), (what, g, w)
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), (what, g, w)
+
+
+@pytest.mark.slow
+def test_every_schedule_on_two_processes_matches_one_process_and_checkpoints_move(
+    one_process, tmp_path: Path
+) -> None:
+    interleaved = ["parallel.pp_virtual_stages=2", "parallel.pp_microbatches=4"]
+    # A pp=1 checkpoint, resumed at pp=2 with two stages a rank (the run directory is a copy).
+    shutil.copytree(one_process["checkpoint"], tmp_path / "from_pp1" / "checkpoints" / "step_0000002")
+    runs = {
+        "GPipe": [*RUN, *PP2, "parallel.pp_schedule=GPipe"],
+        # 1F1B evaluates through the pipeline, takes the chunked loss, and saves at step 2.
+        "1F1B": [
+            *RUN,
+            *PP2,
+            "trainer.eval_every=3",
+            "trainer.loss=chunked",
+            "checkpoint.enabled=true",
+            "checkpoint.every=2",
+        ],
+        "Interleaved1F1B": [
+            *RUN,
+            *PP2,
+            *interleaved,
+            "parallel.pp_schedule=Interleaved1F1B",
+            "trainer.eval_every=3",
+        ],
+        "InterleavedZeroBubble": [*RUN, *PP2, *interleaved, "parallel.pp_schedule=InterleavedZeroBubble"],
+        "ZBVZeroBubble": [
+            *RUN,
+            *PP2,
+            "parallel.pp_virtual_stages=2",
+            "parallel.pp_schedule=ZBVZeroBubble",
+            "parallel.activation_checkpointing=full",
+        ],
+        "from_pp1": [
+            *RUN,
+            *PP2,
+            *interleaved,
+            "parallel.pp_schedule=Interleaved1F1B",
+            "checkpoint.resume=auto",
+        ],
+    }
+    dirs = _launch(2, runs, tmp_path)
+    want = one_process["train"]
+    for name in runs:
+        if name != "from_pp1":
+            _assert_same_steps(train_records(dirs[name]), want, name)
+    _assert_same_steps(train_records(dirs["from_pp1"]), want[2:], "pp=1 -> pp=2 x 2 stages")
+    for name in ("1F1B", "Interleaved1F1B"):  # evaluation through the pipeline, forward only
+        evals = [r["eval_loss"] for r in read_metrics(dirs[name]) if "eval_loss" in r]
+        assert evals == pytest.approx(one_process["eval"], abs=1e-5), name
+
+    # The pp=2 checkpoint of step 2 holds the unsplit model's names and resumes in one process.
+    saved = dirs["1F1B"] / "checkpoints" / "step_0000002"
+    fit([*RUN, f"checkpoint.resume={saved}"], tmp_path / "to_pp1")
+    _assert_same_steps(train_records(tmp_path / "to_pp1"), want[2:], "pp=2 -> pp=1")
+    out = run_cli(["export", f"checkpoint={saved}", f"out={tmp_path / 'hf'}"], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "hf" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_pp2_with_fsdp2_and_with_tp2_on_four_processes_matches_one_process(
+    one_process, tmp_path: Path
+) -> None:
+    dp2 = ["parallel.dp_shard=2", "data.batch_size=2"]  # the global batch stays 4 rows
+    runs = {
+        "pp2_dp2": [*RUN, *PP2, *dp2],
+        "pp2_dp2_interleaved_compiled": [
+            *RUN,
+            *PP2,
+            *dp2,
+            "parallel.pp_schedule=Interleaved1F1B",
+            "parallel.pp_virtual_stages=2",
+            "parallel.activation_checkpointing=full",
+            "compile.enabled=true",
+            "compile.backend=aot_eager",
+        ],
+        "pp2_tp2": [*RUN, *PP2, "parallel.tp=2", "parallel.activation_checkpointing=selective"],
+    }
+    dirs = _launch(4, runs, tmp_path)
+    for name, run_dir in dirs.items():
+        _assert_same_steps(train_records(run_dir), one_process["train"], name)
+
+
+@pytest.mark.slow
+def test_pp2_dp2_tp2_on_eight_processes_matches_one_process(one_process, tmp_path: Path) -> None:
+    runs = {"pp2_dp2_tp2": [*RUN, *PP2, "parallel.dp_shard=2", "parallel.tp=2", "data.batch_size=2"]}
+    dirs = _launch(8, runs, tmp_path)
+    _assert_same_steps(train_records(dirs["pp2_dp2_tp2"]), one_process["train"], "pp2 x dp2 x tp2")
