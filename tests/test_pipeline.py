@@ -100,6 +100,12 @@ def test_pp_must_divide_the_world_size() -> None:
     assert layout_problems(dp_replicate=1, dp_shard=-1, tp=2, world_size=8, pp=2) == []
 
 
+def test_pp_with_cp_is_refused_naming_both() -> None:
+    (problem,) = layout_problems(dp_replicate=1, dp_shard=1, tp=1, world_size=4, pp=2, cp=2)
+    assert problem.startswith("parallel.pp=2 with parallel.cp=2: pipeline parallel and context parallel")
+    assert "set parallel.pp=1 or parallel.cp=1" in problem
+
+
 def test_bad_pipeline_settings_are_one_line_each_before_any_process_starts(tmp_path: Path) -> None:
     base = ["device=cpu", "data.batch_size=6"]
     out = run_cli(
