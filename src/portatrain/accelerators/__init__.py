@@ -47,6 +47,10 @@ def _try(name: str, index: int) -> tuple[Accelerator | None, str | None]:
     return (acc, None) if reason is None else (None, reason)
 
 
+_announced: set[str] = set()
+"""Devices ``device=auto`` has announced choosing in this process (a dry run asks twice)."""
+
+
 def resolve_accelerator(kind: str = "auto", index: int = 0) -> Accelerator:
     """Return a verified accelerator for ``device.type=kind``."""
     if kind == "auto":
@@ -56,9 +60,15 @@ def resolve_accelerator(kind: str = "auto", index: int = 0) -> Accelerator:
                 continue
             acc, reason = _try(name, index)
             if acc is not None:
-                logger.info("device=auto selected %s", acc.describe())
+                chosen = acc.describe()
+                # Once per process, at info; the candidates passed over (CUDA on every CPU-only torch,
+                # which ships the module) are debug lines, the reason a user reads on request.
+                logger.log(
+                    logging.DEBUG if chosen in _announced else logging.INFO, "device=auto selected %s", chosen
+                )
+                _announced.add(chosen)
                 return acc
-            logger.info("device=auto skipped %s: %s", name, reason)
+            logger.debug("device=auto skipped %s: %s", name, reason)
         raise AssertionError("unreachable: cpu is always available")
     if kind not in ACCELERATORS:
         raise DeviceUnavailableError(
