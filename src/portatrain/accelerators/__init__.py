@@ -9,6 +9,7 @@ package imports no vendor module.
 from __future__ import annotations
 
 import logging
+import os
 
 from portatrain.accelerators.base import Accelerator, DeviceUnavailableError
 from portatrain.accelerators.cpu import CPUAccelerator
@@ -61,11 +62,10 @@ def resolve_accelerator(kind: str = "auto", index: int = 0) -> Accelerator:
             acc, reason = _try(name, index)
             if acc is not None:
                 chosen = acc.describe()
-                # Once per process, at info; the candidates passed over (CUDA on every CPU-only torch,
-                # which ships the module) are debug lines, the reason a user reads on request.
-                logger.log(
-                    logging.DEBUG if chosen in _announced else logging.INFO, "device=auto selected %s", chosen
-                )
+                # Once per job (rank 0, once a process), at info; the candidates passed over (CUDA on
+                # every CPU-only torch, which ships the module) are debug lines, read on request.
+                first = chosen not in _announced and os.environ.get("RANK", "0") == "0"
+                logger.log(logging.INFO if first else logging.DEBUG, "device=auto selected %s", chosen)
                 _announced.add(chosen)
                 return acc
             logger.debug("device=auto skipped %s: %s", name, reason)
