@@ -3,8 +3,9 @@
 The convention (docs/contributing.md, "Documentation"):
 
 * a ```bash fence is run with ``bash -e`` from a clone-like copy of the repository root (a fresh
-  temporary directory whose entries link to the checkout's, so what a command writes -- ``data/``,
-  ``runs/``, ``hf/`` -- never lands in the checkout), on CPU, in the normal tier. The blocks of one
+  temporary directory holding a copy of the files git tracks, whose ``src/`` is first on
+  ``PYTHONPATH``, so what a command writes -- ``data/``, ``runs/``, ``hf/`` -- never lands in the
+  checkout), on CPU, in the normal tier. The blocks of one
   page run in order in one such directory, sharing its files (the tour: prepare, then train, then
   resume);
 * ``<!-- docs: slow -->`` on the line before the fence puts the block in the slow tier (more than
@@ -158,12 +159,23 @@ def output_mismatch(expected: str, printed: str, rtol: str) -> str | None:
 
 
 def clone_like(workdir: Path) -> None:
-    """``workdir`` as a fresh clone: every top-level entry of the checkout, linked, except what
-    commands write (git-ignored outputs) and the VCS metadata."""
-    ignored = {".git", "runs", "multirun", "outputs", "data", "hf", "audit.sarif", "site", "build", "dist"}
-    for entry in ROOT.iterdir():
-        if entry.name not in ignored and not entry.name.endswith(".egg-info"):
-            (workdir / entry.name).symlink_to(entry)
+    """``workdir`` as a fresh clone: a copy of the checkout's files that git tracks or would track
+    (about 3 MB), none of what commands wrote into it (git-ignored) and no ``.git``. Copies, not
+    links, so that paths printed by a command read as they would in a clone."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for name in filter(None, listed.split("\0")):
+        source, target = ROOT / name, workdir / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_symlink():  # conf/recipe -> ../recipes, as git stores it
+            target.symlink_to(os.readlink(source))
+        elif source.is_file():
+            shutil.copy2(source, target)
 
 
 def run_page(page: str, tier: str, tmp_path: Path) -> None:
@@ -172,7 +184,7 @@ def run_page(page: str, tier: str, tmp_path: Path) -> None:
     clone_like(tmp_path)
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(tmp_path / "src"), str(tmp_path), os.environ.get("PYTHONPATH", "")]),
     }
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     for block in blocks:
