@@ -184,7 +184,9 @@ def run_page(page: str, tier: str, tmp_path: Path) -> None:
     clone_like(tmp_path)
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(tmp_path / "src"), str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join(
+            [str(tmp_path / "src"), str(tmp_path), os.environ.get("PYTHONPATH", "")]
+        ),
     }
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     for block in blocks:
