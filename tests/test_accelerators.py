@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from portatrain.accelerators import ACCELERATORS, AUTO_ORDER, DeviceUnavailableError, resolve_accelerator
+from portatrain.accelerators.cpu import default_threads
 from portatrain.accelerators.neuron import NeuronAccelerator
 from portatrain.accelerators.tpu import TPUAccelerator
 
@@ -35,6 +36,23 @@ def test_auto_picks_cpu_here_and_probes_it() -> None:
     assert acc.name == "cpu" and acc.device == torch.device("cpu")
     assert acc.dist_backend == "gloo" and acc.compile_backend == "inductor"
     assert acc.default_dtype == torch.float32
+
+
+def test_cpu_threads_leave_a_core_to_the_host_and_share_the_rest() -> None:
+    assert default_threads(cores=2, local_processes=1) == 1
+    assert default_threads(cores=16, local_processes=1) == 15
+    assert default_threads(cores=16, local_processes=4) == 3
+    assert default_threads(cores=1, local_processes=1) == 1
+    assert default_threads(cores=2, local_processes=8) == 1
+
+
+def test_auto_announces_its_choice_once_and_the_skipped_devices_at_debug(caplog) -> None:
+    caplog.set_level("DEBUG", logger="portatrain.accelerators")
+    resolve_accelerator("auto")
+    resolve_accelerator("auto")  # a dry run asks twice (dtype, static shapes)
+    info = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert len([m for m in info if m.startswith("device=auto selected")]) <= 1
+    assert not [m for m in info if "skipped" in m]
 
 
 def test_cpu_memory_stats_report_rss() -> None:

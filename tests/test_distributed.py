@@ -144,7 +144,7 @@ def free_port() -> int:
 
 def test_two_torchrun_agents_as_two_nodes(tmp_path: Path, reference: list[dict]) -> None:
     """``--nnodes=2``: two agents on this machine meet in a c10d rendezvous on 127.0.0.1, exactly as
-    two hosts would (README's multi-host command), and the job trains like one process."""
+    two hosts would (the multi-host command of docs/parallelism/index.md), and the job trains like one process."""
     torchrun_args = [
         "--nnodes=2",
         "--nproc-per-node=1",

@@ -135,3 +135,23 @@ def test_args_from_hub_config_of_llama_3_1_8b():
     assert args_from_hf_config(v5) == args
     with pytest.raises(ValueError, match="rope_type='yarn'"):
         args_from_hf_config({**hub, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_export_config_of_a_short_context_loads_without_a_warning():
+    """The debug flavour trains 512 positions under Llama 3.1's scaling (pre-scaling context 8192):
+    its config.json states a context transformers accepts, so loading an export prints nothing."""
+    from transformers.testing_utils import CaptureLogger
+
+    from portatrain.models.llama.model import LLAMA3_FLAVORS
+
+    debug = LLAMA3_FLAVORS["debug"]
+    config = hf_config(debug, torch_dtype="float32")
+    assert config["max_position_embeddings"] > config["rope_scaling"]["original_max_position_embeddings"]
+    with CaptureLogger(transformers.logging.get_logger("transformers")) as captured:
+        transformers.LlamaConfig(**config)
+    assert captured.out == ""
+    # The frequencies come from rope_scaling alone: the same as the flavour's own.
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](transformers.LlamaConfig(**config))
+    torch.testing.assert_close(rope_inv_freq(debug.head_dim, debug.rope_theta, debug.rope_scaling), theirs)

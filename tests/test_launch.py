@@ -1,6 +1,6 @@
 """Job rendering and submission: the sbatch script, the JobSet and the PyTorchJob.
 
-No scheduler runs here (see the README: a SLURM controller needs munge and root-owned daemons), so
+No scheduler runs here (see docs/cluster.md: a SLURM controller needs munge and root-owned daemons), so
 the sbatch script is checked three ways: ``bash -n``, its torchrun arguments, and -- slow test -- by
 running it under stand-ins for ``srun`` and ``scontrol`` that start one torchrun agent per "node" on
 this machine, which then really train.

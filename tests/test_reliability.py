@@ -618,7 +618,7 @@ def test_torchrun_prints_a_configuration_error_once(tmp_path: Path) -> None:
     assert text.count("portatrain train: error: invalid config") == 1, text[-3000:]
     assert "trainer.steps=-1 must be positive" in text
     # Every worker exits 2 (torchrun's summary says so); torchrun itself reports a failed child
-    # with status 1 -- that part is torchrun's, not ours (see the README).
+    # with status 1 -- that part is torchrun's, not ours (see docs/configuration.md).
     assert "exitcode  : 2" in text or "exitcode: 2" in text, text[-3000:]
     assert out.returncode != 0
     assert _leaf_dirs(tmp_path / "runs") == []

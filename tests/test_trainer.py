@@ -44,7 +44,7 @@ def test_grad_accumulation_matches_the_large_batch(tmp_path: Path) -> None:
 
 
 def test_subclass_hooks_custom_loss(tmp_path: Path) -> None:
-    """The README's example subclass runs, and its loss is what the optimizer sees."""
+    """The example subclass of docs/trainer.md runs, and its loss is what the optimizer sees."""
     spec = importlib.util.spec_from_file_location("zloss_trainer", ROOT / "examples" / "zloss_trainer.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

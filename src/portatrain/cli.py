@@ -201,8 +201,20 @@ def main(trainer_cls: type | None = None, argv: list[str] | None = None) -> None
     if argv is not None:
         sys.argv[1:] = argv  # Hydra reads its command line from sys.argv
     command = DEFAULT_COMMAND
-    if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
+    named = len(sys.argv) > 1 and sys.argv[1] in COMMANDS
+    if named:
         command = sys.argv.pop(1)
+    asks_help = any(arg in ("--help", "-h") for arg in sys.argv[1:])
+    if asks_help and named:  # `portatrain COMMAND --help`: generated from the command and the schema
+        from portatrain.commands.usage import usage
+
+        print(usage(command, config_dir()))
+        if uses_hydra(load_command(command)):
+            sys.exit(0)
+    elif asks_help:  # `portatrain --help`: the commands, then Hydra's groups and config
+        from portatrain.commands.usage import overview
+
+        print(overview())
     module = load_command(command)
     _quiet_known_warnings()
     if not uses_hydra(module):

@@ -9,6 +9,7 @@ package imports no vendor module.
 from __future__ import annotations
 
 import logging
+import os
 
 from portatrain.accelerators.base import Accelerator, DeviceUnavailableError
 from portatrain.accelerators.cpu import CPUAccelerator
@@ -47,6 +48,10 @@ def _try(name: str, index: int) -> tuple[Accelerator | None, str | None]:
     return (acc, None) if reason is None else (None, reason)
 
 
+_announced: set[str] = set()
+"""Devices ``device=auto`` has announced choosing in this process (a dry run asks twice)."""
+
+
 def resolve_accelerator(kind: str = "auto", index: int = 0) -> Accelerator:
     """Return a verified accelerator for ``device.type=kind``."""
     if kind == "auto":
@@ -56,9 +61,14 @@ def resolve_accelerator(kind: str = "auto", index: int = 0) -> Accelerator:
                 continue
             acc, reason = _try(name, index)
             if acc is not None:
-                logger.info("device=auto selected %s", acc.describe())
+                chosen = acc.describe()
+                # Once per job (rank 0, once a process), at info; the candidates passed over (CUDA on
+                # every CPU-only torch, which ships the module) are debug lines, read on request.
+                first = chosen not in _announced and os.environ.get("RANK", "0") == "0"
+                logger.log(logging.INFO if first else logging.DEBUG, "device=auto selected %s", chosen)
+                _announced.add(chosen)
                 return acc
-            logger.info("device=auto skipped %s: %s", name, reason)
+            logger.debug("device=auto skipped %s: %s", name, reason)
         raise AssertionError("unreachable: cpu is always available")
     if kind not in ACCELERATORS:
         raise DeviceUnavailableError(

@@ -1,14 +1,36 @@
-"""Host CPU: always available; fp32 by default because bf16 matmuls are slow without AMX."""
+"""Host CPU: always available; fp32 by default because bf16 matmuls are slow without AMX.
+
+Compute threads: unless ``OMP_NUM_THREADS`` is set (torchrun sets it to 1 for several processes),
+each process takes ``(cores available - 1) // local processes`` threads, at least one
+(:func:`default_threads`). OpenMP workers busy-wait at every barrier, so a team that claims every
+core stalls whenever another thread -- the data loader's prefetch, Python, another job -- takes one
+of them: on a shared 2-core machine the debug recipe ran at 4,855-5,185 tokens/s with one thread
+against 275-860 with torch's default of two, side by side under the same load.
+"""
 
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import platform
 import time
 
 import torch
 
 from portatrain.accelerators.base import Accelerator
+
+logger = logging.getLogger(__name__)
+
+
+def default_threads(cores: int | None = None, local_processes: int | None = None) -> int:
+    """Compute threads per process when ``OMP_NUM_THREADS`` is unset: one core is left to the host
+    work beside the matmuls, the rest shared by this host's processes."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if local_processes is None:
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, (cores - 1) // max(1, local_processes))
 
 
 @functools.cache
@@ -52,6 +74,15 @@ class CPUAccelerator(Accelerator):
 
     def unavailable_reason(self) -> str | None:
         return None
+
+    def set_device(self) -> None:
+        """Choose the compute thread count (module docstring); ``OMP_NUM_THREADS`` wins when set."""
+        if "OMP_NUM_THREADS" in os.environ:
+            return
+        threads = default_threads()
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+            logger.debug("cpu: %d compute thread(s); set OMP_NUM_THREADS to choose", threads)
 
     def device_count(self) -> int:
         return 1

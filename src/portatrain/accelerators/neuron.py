@@ -2,7 +2,7 @@
 
 Every TorchNeuron-specific name below was checked against AWS's Neuron documentation
 (awsdocs-neuron.readthedocs-hosted.com and its source, github.com/aws-neuron/aws-neuron-sdk);
-the page is cited next to it. Not run on Trainium: see the README's device table.
+the page is cited next to it. Not run on Trainium: see the device table in docs/devices.md.
 
 - TorchNeuron is the native backend (not the older XLA-based torch-neuronx) and supports Trn2
   and Trn3 only ("TorchNeuron supports the Trn2 and Trn3 instance families",

@@ -2,7 +2,7 @@
 
 Every TorchTPU-specific name below was checked against the torch_tpu 0.2.0 wheel from PyPI
 (``pip download --no-deps torch-tpu``, read, never installed); the file each comes from is
-cited next to it. Not run on a TPU: see the README's device table for what that leaves open.
+cited next to it. Not run on a TPU: see the device table in docs/devices.md for what that leaves open.
 
 What the wheel says, and how this adapter follows it:
 

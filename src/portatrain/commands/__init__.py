@@ -7,6 +7,8 @@ A command reuses the pipeline's stages and never re-implements them. Two kinds e
       def run(cfg: Config, ctx: CommandContext) -> None: ...
       SHORTHANDS = {"out": "export.out"}   # optional: bare keys the command reads from its section
       OVERRIDES = ["dry_run=true"]         # optional: composed before the user's overrides
+      SECTIONS = ("export",)               # config sections whose options --help lists
+      EXAMPLE = "portatrain export checkpoint=auto out=hf/demo"   # --help's example
 
   ``ctx`` carries what is not in the config: the ``Trainer`` subclass research code passed to
   ``portatrain.cli.main`` and the raw command-line overrides (which ``render`` replays in the job).
@@ -14,12 +16,16 @@ A command reuses the pipeline's stages and never re-implements them. Two kinds e
   ``kernels``...). The module sets ``HYDRA = False`` and defines::
 
       def main(argv: list[str]) -> int | None: ...   # the exit status; None means 0
+      EXAMPLE = "portatrain audit src/"                # --help's example, before argparse's help
 
 Either kind raises a :class:`~portatrain.errors.UserError` for anything the user must fix; the
 CLI prints it as one line, with no traceback, and exits with status 2. An ``OSError`` of the file
 system (read-only, full, a file where a directory belongs, a missing parent) may simply propagate:
 the CLI reports it the same way, naming the path (``portatrain.errors.file_system_error``). A
 command leaves nothing half-written behind when it fails.
+
+``portatrain COMMAND --help`` is generated from these (``portatrain.commands.usage``): the purpose
+is the first paragraph of the module docstring, the options and defaults come from the schema.
 
 Adding a command is one file and one line: write ``portatrain/commands/<name>.py`` as above, then
 add ``"<name>": "portatrain.commands.<name>"`` to :data:`COMMANDS`. Modules are imported only when

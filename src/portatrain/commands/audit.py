@@ -5,6 +5,8 @@ from __future__ import annotations
 
 HYDRA = False
 
+EXAMPLE = "portatrain audit src/ --fail-on warning"
+
 
 def main(argv: list[str]) -> int:
     from portatrain.audit.cli import main as audit_main

@@ -5,6 +5,9 @@ from __future__ import annotations
 from portatrain.commands import CommandContext
 from portatrain.config import Config
 
+SECTIONS = ("bench",)
+EXAMPLE = "portatrain bench recipe=debug device=cpu bench.price_per_hour=0.10"
+
 
 def run(cfg: Config, ctx: CommandContext) -> None:
     from portatrain.bench import run_bench

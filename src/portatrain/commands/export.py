@@ -8,6 +8,9 @@ from portatrain.config import Config
 SHORTHANDS = {"checkpoint": "export.checkpoint", "out": "export.out", "merge_lora": "export.merge_lora"}
 """``checkpoint`` alone would select a file of the ``checkpoint`` config group."""
 
+SECTIONS = ("export",)
+EXAMPLE = "portatrain export checkpoint=auto run_dir=runs/debug/demo out=hf/demo"
+
 
 def run(cfg: Config, ctx: CommandContext) -> None:
     from portatrain.export import export_command

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 HYDRA = False
 
+EXAMPLE = "portatrain kernels list"
+
 
 def main(argv: list[str]) -> int:
     from portatrain.kernels.cli import main as kernels_main

@@ -14,6 +14,9 @@ from portatrain.config import Config
 
 OVERRIDES = ["trainer.steps=3"]
 
+SECTIONS = ("trainer",)
+EXAMPLE = "portatrain parity device=sim trainer.steps=3"
+
 
 def run(cfg: Config, ctx: CommandContext) -> None:
     from portatrain.parity import run_parity

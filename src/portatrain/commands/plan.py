@@ -8,6 +8,9 @@ from portatrain.config import Config
 OVERRIDES = ["dry_run=true"]
 """Composed before the user's overrides: the plan sizes the layout it names, nothing is launched."""
 
+SECTIONS = ("parallel",)
+EXAMPLE = "portatrain plan recipe=llama8b device=cuda parallel.dp_shard=8"
+
 
 def run(cfg: Config, ctx: CommandContext) -> None:
     from portatrain.plan import describe_plan

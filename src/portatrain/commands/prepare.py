@@ -8,6 +8,9 @@ from portatrain.config import Config
 
 SHORTHANDS = {"out": "prepare.out", "workers": "prepare.workers"}
 
+SECTIONS = ("prepare", "data")
+EXAMPLE = "portatrain prepare out=data/mycorpus data.dataset='corpus/*.jsonl' data.tokenizer=byte"
+
 
 def run(cfg: Config, ctx: CommandContext) -> None:
     from portatrain.data.errors import DataError

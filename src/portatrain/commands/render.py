@@ -5,6 +5,9 @@ from __future__ import annotations
 from portatrain.commands import CommandContext
 from portatrain.config import Config
 
+SECTIONS = ("parallel",)
+EXAMPLE = "portatrain render device=cpu parallel.dp_shard=2 parallel.launch.nodes=1 parallel.launch.procs_per_node=2"
+
 
 def run(cfg: Config, ctx: CommandContext) -> None:
     from portatrain.launch import render_command

@@ -12,6 +12,9 @@ from portatrain.config import Config
 SHORTHANDS = {"paths": "report.paths", "out": "report.out"}
 """``paths=[examples/cuda_first_train.py]``: extra code to audit; ``out=report.md``: a copy of the report."""
 
+SECTIONS = ("report",)
+EXAMPLE = "portatrain report device=sim paths=[examples/cuda_first_train.py]"
+
 
 def run(cfg: Config, ctx: CommandContext) -> None:
     from portatrain.report import report_command

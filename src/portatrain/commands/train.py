@@ -9,6 +9,9 @@ from portatrain.commands import CommandContext
 from portatrain.config import Config
 from portatrain.errors import UserError
 
+SECTIONS = ("trainer", "data", "optim", "checkpoint")
+EXAMPLE = "portatrain trainer.steps=50 optim.lr=1e-3 run_dir=runs/debug/demo"
+
 
 def run(cfg: Config, ctx: CommandContext) -> None:
     from portatrain.launch.elastic import record_worker_clean_end, record_worker_start

@@ -4,7 +4,7 @@ Without a mask (rows of one document from position 0: ``data.collator=pad_to_max
 SDPA's own grouped-query support (``enable_gqa=True``, PyTorch >= 2.5) reads each k/v head for its
 ``n_heads / n_kv_heads`` query heads, so the repeated k/v tensors are never materialized, nor
 summed back in the backward; measured 3% faster training steps than explicit repetition at the
-debug size (fp32, CPU; README, "Compiled against Hugging Face"). Hugging Face's SDPA path makes the
+debug size (fp32, CPU; docs/benchmarks.md, "Compiled against Hugging Face"). Hugging Face's SDPA path makes the
 same choice. Where a backend has no fused grouped-query kernel, SDPA's composite implementation
 repeats the heads itself, so results never depend on the backend.
 

@@ -23,7 +23,7 @@ fsdp_buffers + max(activations + output-head gradient, grads)``.
 It does not count the CUDA/XLA caching allocator's fragmentation, framework workspaces, the data
 batch, a packed attention mask (``B * S * S`` bytes) or the optimizer step's temporaries; leave
 10-20% headroom on accelerators. Checked against measured peaks on CPU (torch's CPU allocator,
-``scripts/bench_memory.py``, README "Memory: the dry run against measured peaks"): within -1%..+10%
+``scripts/bench_memory.py``, docs/benchmarks.md "The dry run against measured peaks"): within -1%..+10%
 over three sizes, two sequence lengths, the three checkpointing modes, the chunked loss and FSDP2
 on two processes; ``tests/test_conformance.py`` keeps two such comparisons for every family.
 

@@ -31,6 +31,14 @@ def hf_config(args: LlamaArgs, *, torch_dtype: str = "bfloat16") -> dict[str, An
     config = common.decoder_config(
         args, architecture=ARCHITECTURE, model_type="llama", torch_dtype=torch_dtype
     )
+    if rope_scaling is not None and rope_scaling["original_max_position_embeddings"] >= args.max_seq_len:
+        # A model trained on rows shorter than Llama 3.1's pre-scaling context (the debug flavour: 512
+        # of 8192). transformers warns on every load unless original_max_position_embeddings <
+        # max_position_embeddings; the field only sizes tables there (the llama3 frequencies come from
+        # rope_scaling alone) and model.init_from does not compare it, so state the context the scaled
+        # frequencies were made for.
+        scaled = int(rope_scaling["original_max_position_embeddings"] * rope_scaling["factor"])
+        config["max_position_embeddings"] = max(scaled, rope_scaling["original_max_position_embeddings"] + 1)
     return {**config, "mlp_bias": False, "rope_scaling": rope_scaling}
 
 

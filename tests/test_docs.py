@@ -1,0 +1,267 @@
+"""Every command in the documentation runs as written: README.md and docs/**/*.md, discovered.
+
+The convention (docs/contributing.md, "Documentation"):
+
+* a ```bash fence is run with ``bash -e`` from a clone-like copy of the repository root (a fresh
+  temporary directory holding a copy of the files git tracks, whose ``src/`` is first on
+  ``PYTHONPATH``, so what a command writes -- ``data/``, ``runs/``, ``hf/`` -- never lands in the
+  checkout), on CPU, in the normal tier. The blocks of one
+  page run in order in one such directory, sharing its files (the tour: prepare, then train, then
+  resume);
+* ``<!-- docs: slow -->`` on the line before the fence puts the block in the slow tier (more than
+  ~10 s, or several processes): the page's slow test runs all its blocks in order;
+* ``<!-- docs: skip: REASON -->`` skips it, and REASON must be one of :data:`SKIP_REASONS`;
+* ``<!-- docs: setup -->`` marks the set-up commands (install, then the main job or the tests):
+  they would re-install into the running environment and start this suite inside itself, so they
+  are checked instead to be ``.ci/run``'s install command verbatim, followed by ``portatrain`` or
+  by ``.ci/run``'s own test command;
+* ``<!-- docs: output -->`` before a ```text fence checks that block against what the bash block
+  before it printed (stdout and stderr): each line of the block must appear in the output, in
+  order; text must match exactly and every number within the relative tolerance of
+  ``<!-- docs: output rtol=R -->`` (default 0: exact), ``rtol=any`` for numbers whose value varies
+  (times, throughput) but whose place and format do not; a line ``...`` stands for any lines.
+
+``mkdocs build --strict`` checks the site: no broken link, no page missing from the nav.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SKIP_REASONS = ("needs a CUDA GPU", "needs a TPU", "needs a Trainium host", "needs a hub download")
+RUN_FENCES = ("bash", "sh", "shell")
+BLOCK_TIMEOUT_S = {"normal": 600, "slow": 1200}  # generous: a loaded 2-core machine
+_MARKER = re.compile(r"<!--\s*docs:\s*(.*?)\s*-->")
+_FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][+-]?\d+)?")
+
+
+@dataclass
+class Block:
+    page: str
+    line: int
+    code: str
+    tier: str = "normal"  # normal | slow | skip
+    reason: str = ""
+    outputs: list[tuple[str, str]] = field(default_factory=list)
+    """``(expected text, rtol)`` of the checked ```text blocks that follow this one."""
+
+
+def setup_commands() -> tuple[str, str]:
+    """The install + main job, and the install + tests: ``.ci/run``'s command and its install part."""
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("pip install")]
+    install = ci[0].split(" && ")[0]
+    return f"{install} && portatrain", ci[0]
+
+
+def pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def parse(path: Path, root: Path = ROOT) -> tuple[list[Block], list[str]]:
+    """The shell blocks of a Markdown page, and the convention's violations found on it."""
+    name = str(path.relative_to(root))
+    lines = path.read_text().splitlines()
+    blocks: list[Block] = []
+    problems: list[str] = []
+    i = 0
+    while i < len(lines):
+        match = _FENCE.match(lines[i])
+        if not match:
+            i += 1
+            continue
+        indent, fence, lang = match.groups()
+        start = i
+        i += 1
+        body = []
+        while i < len(lines) and not lines[i].strip().startswith(fence):
+            body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i])
+            i += 1
+        i += 1
+        marker = ""
+        if start > 0:
+            found = _MARKER.search(lines[start - 1])
+            marker = found.group(1) if found else ""
+        where = f"{name}:{start + 1}"
+        if lang == "console":
+            problems.append(
+                f"{where}: a ```console block; write the command in ```bash, its output in ```text"
+            )
+        elif lang in RUN_FENCES:
+            block = Block(name, start + 1, "\n".join(body))
+            if marker == "slow":
+                block.tier = "slow"
+            elif marker == "setup":
+                block.tier = "setup"
+                if block.code.strip() not in setup_commands():
+                    problems.append(
+                        f"{where}: a setup block must be one of {setup_commands()} (.ci/run's install command)"
+                    )
+            elif marker.startswith("skip"):
+                block.tier, block.reason = "skip", marker.partition(":")[2].strip()
+                if block.reason not in SKIP_REASONS:
+                    problems.append(
+                        f"{where}: skip reason {block.reason!r} is not one of {', '.join(SKIP_REASONS)}; "
+                        "a block that runs here but slowly is <!-- docs: slow -->"
+                    )
+            elif marker:
+                problems.append(f"{where}: unknown marker <!-- docs: {marker} --> before a shell block")
+            blocks.append(block)
+        elif marker.startswith("output"):
+            rtol = dict(re.findall(r"(\w+)=(\S+)", marker)).get("rtol", "0")
+            if not blocks or lang != "text":
+                problems.append(
+                    f"{where}: <!-- docs: output --> must mark a ```text block after a ```bash block"
+                )
+            else:
+                blocks[-1].outputs.append(("\n".join(body), rtol))
+    return blocks, problems
+
+
+def _numbers_match(expected: str, actual: str, rtol: str) -> bool:
+    want, got = _NUMBER.findall(expected), _NUMBER.findall(actual)
+    if _NUMBER.sub("#", expected) != _NUMBER.sub("#", actual) or len(want) != len(got):
+        return False
+    if rtol == "any":
+        return True
+    tolerance = float(rtol)
+    for a, b in zip(want, got):
+        x, y = float(a.replace(",", "")), float(b.replace(",", ""))
+        if abs(x - y) > tolerance * max(abs(x), abs(y)):
+            return False
+    return True
+
+
+def output_mismatch(expected: str, printed: str, rtol: str) -> str | None:
+    """None when every expected line appears in ``printed`` in order (``...`` skips any lines)."""
+    actual = [line.rstrip() for line in printed.splitlines()]
+    position = 0
+    for line in expected.splitlines():
+        line = line.rstrip()
+        if line in ("...", ""):
+            continue
+        for k in range(position, len(actual)):
+            if _numbers_match(line, actual[k], rtol):
+                position = k + 1
+                break
+        else:
+            return f"expected line not printed (in order, rtol={rtol}): {line!r}"
+    return None
+
+
+def clone_like(workdir: Path) -> None:
+    """``workdir`` as a fresh clone: a copy of the checkout's files that git tracks or would track
+    (about 3 MB), none of what commands wrote into it (git-ignored) and no ``.git``. Copies, not
+    links, so that paths printed by a command read as they would in a clone."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for name in filter(None, listed.split("\0")):
+        source, target = ROOT / name, workdir / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_symlink():  # conf/recipe -> ../recipes, as git stores it
+            target.symlink_to(os.readlink(source))
+        elif source.is_file():
+            shutil.copy2(source, target)
+
+
+def run_page(page: str, tier: str, tmp_path: Path) -> None:
+    blocks, problems = parse(ROOT / page)
+    assert not problems, "\n".join(problems)
+    clone_like(tmp_path)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(tmp_path / "src"), str(tmp_path), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    for block in blocks:
+        if block.tier in ("skip", "setup") or (tier == "normal" and block.tier == "slow"):
+            continue
+        proc = subprocess.run(
+            ["bash", "-e", "-o", "pipefail", "-c", block.code],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=BLOCK_TIMEOUT_S[block.tier],
+        )
+        printed = proc.stdout
+        assert proc.returncode == 0, (
+            f"{block.page}:{block.line} exited {proc.returncode}:\n{block.code}\n--- output (tail) ---\n{printed[-4000:]}"
+        )
+        for expected, rtol in block.outputs:
+            problem = output_mismatch(expected, printed, rtol)
+            assert problem is None, (
+                f"{block.page}:{block.line}: {problem}\n--- printed ---\n{printed[-4000:]}"
+            )
+
+
+def _cases() -> list:
+    cases = []
+    for path in pages():
+        blocks, _ = parse(path)
+        page = str(path.relative_to(ROOT))
+        tiers = {b.tier for b in blocks}
+        if tiers & {"normal"}:
+            cases.append(pytest.param(page, "normal", id=f"{page}-normal"))
+        if "slow" in tiers:
+            cases.append(pytest.param(page, "slow", id=f"{page}-slow", marks=pytest.mark.slow))
+    return cases
+
+
+@pytest.mark.parametrize(("page", "tier"), _cases())
+def test_docs_commands_run_as_written(page: str, tier: str, tmp_path: Path) -> None:
+    run_page(page, tier, tmp_path)
+
+
+@pytest.mark.parametrize("path", pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_docs_follow_the_convention(path: Path) -> None:
+    _, problems = parse(path)
+    assert not problems, "\n".join(problems)
+
+
+def test_convention_checker_catches_what_it_should(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "<!-- docs: skip: too slow -->\n```bash\ntrue\n```\n```console\n$ ls\n```\n"
+        "<!-- docs: slow -->\n```bash\necho step 10 loss 4.159 tok_s 1,486\n```\n"
+        "<!-- docs: output rtol=0.01 -->\n```text\nstep 10 loss 4.16 tok_s 1,486\n```\n"
+    )
+    blocks, problems = parse(page, root=tmp_path)
+    assert [b.tier for b in blocks] == ["skip", "slow"]
+    assert len(problems) == 2 and "too slow" in problems[0] and "console" in problems[1]
+    (expected, rtol), printed = blocks[1].outputs[0], "step 10  loss 4.159 tok_s 1,486"
+    assert output_mismatch(expected, "x\nstep 10 loss 4.159 tok_s 1,486\n", rtol) is None
+    assert output_mismatch(expected, printed, rtol) is not None  # spacing is format
+    assert output_mismatch(expected, "step 10 loss 4.5 tok_s 1,486", rtol) is not None
+    assert output_mismatch("tok_s 9", "tok_s 1,486", "any") is None
+
+
+def test_mkdocs_site_builds_strictly(tmp_path: Path) -> None:
+    if shutil.which("mkdocs") is None:
+        pytest.skip("mkdocs is not installed (pip install 'portatrain[docs]')")
+    proc = subprocess.run(
+        ["mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
