@@ -4,6 +4,7 @@ its workers saved cleanly (``portatrain.launch.elastic``). An argument command: 
 from __future__ import annotations
 
 HYDRA = False
+EXAMPLE = "portatrain torchrun --standalone --nproc-per-node=2 -m portatrain trainer.steps=20"
 
 
 def main(argv: list[str]) -> int:
