@@ -9,7 +9,9 @@ The convention (docs/contributing.md, "Documentation"):
   page run in order in one such directory, sharing its files (the tour: prepare, then train, then
   resume);
 * ``<!-- docs: slow -->`` on the line before the fence puts the block in the slow tier (more than
-  ~10 s, or several processes): the page's slow test runs all its blocks in order;
+  ~10 s, or several processes): the page's slow test runs all its blocks in order (or, after the
+  page's normal-tier test passed in the same session, only its slow blocks, in that test's
+  directory: the cheap ones before them have run there already);
 * ``<!-- docs: skip: REASON -->`` skips it, and REASON must be one of :data:`SKIP_REASONS`;
 * ``<!-- docs: setup -->`` marks the set-up commands (install, then the main job or the tests):
   they would re-install into the running environment and start this suite inside itself, so they
@@ -39,6 +41,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_REASONS = ("needs a CUDA GPU", "needs a TPU", "needs a Trainium host", "needs a hub download")
 RUN_FENCES = ("bash", "sh", "shell")
+DOCS_SLOW = os.environ.get("PORTATRAIN_DOCS_SLOW") == "1"
+DOCS_SLOW_REASON = (
+    "the docs' slow blocks (multi-process runs, long trainings: about 10 minutes on 2 cores) run with "
+    "PORTATRAIN_DOCS_SLOW=1; the default suite leaves them out to stay within its 25-minute budget, and "
+    "the features they show have multi-process tests of their own"
+)
 BLOCK_TIMEOUT_S = {"normal": 600, "slow": 1200}  # generous: a loaded 2-core machine
 _MARKER = re.compile(r"<!--\s*docs:\s*(.*?)\s*-->")
 _FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
@@ -178,10 +186,19 @@ def clone_like(workdir: Path) -> None:
             shutil.copy2(source, target)
 
 
+_NORMAL_TIER_DONE: dict[str, Path] = {}
+"""Page -> the directory its normal-tier blocks ran in, in this session: the page's slow test goes on
+there with its slow blocks only, instead of running every cheap block a second time."""
+
+
 def run_page(page: str, tier: str, tmp_path: Path) -> None:
     blocks, problems = parse(ROOT / page)
     assert not problems, "\n".join(problems)
-    clone_like(tmp_path)
+    resumed = tier == "slow" and page in _NORMAL_TIER_DONE
+    if resumed:
+        tmp_path = _NORMAL_TIER_DONE[page]
+    else:
+        clone_like(tmp_path)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(
@@ -191,6 +208,8 @@ def run_page(page: str, tier: str, tmp_path: Path) -> None:
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     for block in blocks:
         if block.tier in ("skip", "setup") or (tier == "normal" and block.tier == "slow"):
+            continue
+        if resumed and block.tier != "slow":  # ran in the normal tier, in this directory
             continue
         proc = subprocess.run(
             ["bash", "-e", "-o", "pipefail", "-c", block.code],
@@ -210,6 +229,8 @@ def run_page(page: str, tier: str, tmp_path: Path) -> None:
             assert problem is None, (
                 f"{block.page}:{block.line}: {problem}\n--- printed ---\n{printed[-4000:]}"
             )
+    if tier == "normal":
+        _NORMAL_TIER_DONE[page] = tmp_path
 
 
 def _cases() -> list:
@@ -221,7 +242,8 @@ def _cases() -> list:
         if tiers & {"normal"}:
             cases.append(pytest.param(page, "normal", id=f"{page}-normal"))
         if "slow" in tiers:
-            cases.append(pytest.param(page, "slow", id=f"{page}-slow", marks=pytest.mark.slow))
+            marks = [pytest.mark.slow, pytest.mark.skipif(not DOCS_SLOW, reason=DOCS_SLOW_REASON)]
+            cases.append(pytest.param(page, "slow", id=f"{page}-slow", marks=marks))
     return cases
 
 

@@ -297,6 +297,7 @@ class Trainer:
             every=cfg.checkpoint.every,
             is_main=self.dist.is_main,
             async_mode=cfg.checkpoint.async_mode,
+            pinned_staging=self.accelerator.synchronize if self.accelerator.pinned_staging else None,
         )
         # Non-finite steps: counted on the device every step, read at the logging sync and before
         # every save (no extra host sync); see portatrain.nonfinite.

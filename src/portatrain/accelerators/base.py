@@ -57,6 +57,9 @@ class Accelerator:
     """Training precision when ``trainer.dtype=auto``."""
     fused_adamw: bool = False
     """Whether ``torch.optim.AdamW(fused=True)`` is supported here."""
+    pinned_staging: bool = False
+    """Whether host copies of device state (asynchronous checkpoints' staging buffers) should be
+    pinned, so the device-to-host copy runs asynchronously and the loop waits for one sync."""
 
     def __init__(self, index: int = 0) -> None:
         self.index = index

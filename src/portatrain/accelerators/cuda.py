@@ -38,6 +38,7 @@ class CUDAAccelerator(Accelerator):
     dist_backend = "cpu:gloo,cuda:nccl"
     compile_backend = "inductor"
     fused_adamw = True
+    pinned_staging = True
 
     def unavailable_reason(self) -> str | None:
         if not torch.cuda.is_available():

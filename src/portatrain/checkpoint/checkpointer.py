@@ -16,7 +16,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -143,9 +143,13 @@ class Checkpointer:
         every: int = 0,
         checksums: bool = True,
         async_mode: str = "none",
+        pinned_staging: Callable[[], None] | None = None,
     ) -> None:
         self.folder = Path(folder)
         self.async_mode = async_mode
+        self.pinned_staging = pinned_staging
+        """The device's synchronize where its adapter stages into pinned host memory
+        (``Accelerator.pinned_staging``), else None: plain host buffers and blocking copies."""
         """``none``, ``thread`` or ``process`` (``portatrain.checkpoint.staging``): with the latter two,
         :meth:`save` returns once the state is staged and the write goes on in the background."""
         self.blocked_s = 0.0
@@ -342,8 +346,7 @@ class Checkpointer:
             if dist.is_initialized() and dist.get_world_size() > 1:
                 # Collective (every rank saves at the same step): the background commit's own group.
                 self._group = dist.new_group(backend="gloo")
-            on_cuda = any(t.is_cuda for t in flat_tensors(tensors).values())
-            self._stager = Stager(pin_memory=on_cuda, share_memory=process)
+            self._stager = Stager(synchronize=self.pinned_staging, share_memory=process)
         return self._stager.stage(tensors)
 
     def _finish(

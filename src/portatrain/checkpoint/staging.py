@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +38,8 @@ the training process's GIL)."""
 class Stager:
     """Copies a state dict into reusable CPU buffers (see the module docstring)."""
 
-    def __init__(self, *, pin_memory: bool, share_memory: bool) -> None:
-        self.pin_memory = pin_memory
+    def __init__(self, *, synchronize: Callable[[], None] | None, share_memory: bool) -> None:
+        self.synchronize = synchronize  # pinned buffers and asynchronous copies when given
         self.share_memory = share_memory
         self._buffers: dict[str, Any] | None = None
         self._layout: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None
@@ -52,13 +52,13 @@ class Stager:
         layout = _layout(state)
         if layout != self._layout:  # the first save, or the optimizer state grew (a new layout)
             self._buffers = _create_cpu_state_dict(
-                state, pin_memory=self.pin_memory, share_memory=self.share_memory
+                state, pin_memory=self.synchronize is not None, share_memory=self.share_memory
             )
             self._layout = layout
-        non_blocking = self.pin_memory  # pinned buffers: one asynchronous copy, then one sync
+        non_blocking = self.synchronize is not None  # pinned buffers: asynchronous copies, one sync
         staged = _copy_state_dict(state, self._buffers, non_blocking=non_blocking)
-        if non_blocking and torch.cuda.is_available():
-            torch.cuda.synchronize()
+        if self.synchronize is not None:
+            self.synchronize()
         return staged
 
 
