@@ -3,9 +3,11 @@ tests that import them from ``tests.conftest``)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,25 @@ __all__ = ["ROOT", "TINY", "compose_config", "run_cli", "tiny_cfg"]
 os.environ.setdefault(
     "PORTATRAIN_COMPILE_CACHE_DIR", tempfile.mkdtemp(prefix="portatrain-test-compile-cache-")
 )
+
+
+@pytest.fixture(autouse=True)
+def _drop_log_handlers_on_closed_streams() -> Iterator[None]:
+    """After each test, remove logging handlers left writing to a stream pytest has closed.
+
+    Libraries add a ``StreamHandler`` on first use, bound to whatever ``sys.stderr`` is then:
+    lm-eval's ``setup_logging`` does, once per process, during ``simple_evaluate``. Inside a test
+    that is pytest's capture stream, closed at the test's teardown; the next test whose lm-eval
+    call logs would then write to a closed file (seen as pytest dying with "lost sys.stderr")."""
+    yield
+    loggers = [logging.getLogger()] + [
+        logger for logger in logging.Logger.manager.loggerDict.values() if isinstance(logger, logging.Logger)
+    ]
+    for logger in loggers:
+        for handler in list(logger.handlers):
+            stream = getattr(handler, "stream", None)
+            if stream is not None and getattr(stream, "closed", False):
+                logger.removeHandler(handler)
 
 
 @pytest.fixture
