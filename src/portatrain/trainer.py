@@ -284,7 +284,7 @@ class Trainer:
             else None
         )
         if self.pipeline is not None:
-            self.pipeline.configure_loss(self.compute_loss, self._loss_chunk_size)
+            self.pipeline.configure_loss(self.compute_loss, self._loss_chunk_size, chunked_loss_fn)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optim, cfg.trainer.steps)
 
     def _setup_run_services(self) -> None:

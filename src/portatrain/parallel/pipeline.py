@@ -303,13 +303,17 @@ class Pipeline:
         self._loss_sums: list[torch.Tensor] = []
         self.schedule: Any = None
 
-    def configure_loss(self, compute_loss: Callable[..., torch.Tensor], chunk_size: int | None) -> None:
+    def configure_loss(
+        self,
+        compute_loss: Callable[..., torch.Tensor],
+        chunk_size: int | None,
+        chunked_loss_fn: Callable[[torch.Tensor, int], Any],
+    ) -> None:
         """Build the schedule with the Trainer's loss: ``compute_loss(logits, batch)``, or with ``chunk_size``
-        the chunked loss inside the last stage's forward (no full logits)."""
+        the chunked loss inside the last stage's forward (no full logits): ``chunked_loss_fn(labels,
+        chunk_size)``, the trainer's ``output_fn`` factory (``portatrain.losses``, a stage above this one)."""
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import get_schedule_class
-
-        from portatrain.losses import chunked_loss_fn
 
         self._compute_loss, self._chunk_size = compute_loss, chunk_size
 
