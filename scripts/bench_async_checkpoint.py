@@ -29,19 +29,11 @@ import warnings
 from pathlib import Path
 
 import torch
+from bench_checksum import build_state  # the same model and AdamW state (scripts/ is on sys.path)
 
 from portatrain.checkpoint import Checkpointer
 
 KINDS = ("none", "thread", "process", "dcp default")
-
-
-def build_state(dim: int, layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, dim)).sum().backward()
-    optimizer.step()  # creates the moments
-    return model, optimizer
 
 
 def main() -> None:
