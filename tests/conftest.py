@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,23 @@ __all__ = ["ROOT", "TINY", "compose_config", "run_cli", "tiny_cfg"]
 os.environ.setdefault(
     "PORTATRAIN_COMPILE_CACHE_DIR", tempfile.mkdtemp(prefix="portatrain-test-compile-cache-")
 )
+
+
+def _keep_absl_off_pytests_capture() -> None:
+    """absl's log handler (absl comes with tensorboard and lm-eval's metrics) binds whatever
+    ``sys.stderr`` is when absl is first imported, and its ``close`` closes that stream unless it is
+    the *current* ``sys.stderr``. Hydra's logging set-up closes every handler ever made
+    (``logging.config.dictConfig``), so an in-process ``portatrain`` under ``capsys`` closed pytest's
+    own capture file and pytest died with "lost sys.stderr". Bind absl to ``sys.__stderr__`` first,
+    which its ``close`` never closes (absl/logging/__init__.py, ``PythonHandler.close``)."""
+    try:
+        from absl import logging as absl_logging
+    except ImportError:
+        return
+    absl_logging.get_absl_handler().python_handler.stream = sys.__stderr__
+
+
+_keep_absl_off_pytests_capture()
 
 
 @pytest.fixture(autouse=True)
