@@ -7,8 +7,9 @@
 * Under ``torchrun`` (slow tier), several layouts per launch (``tests/pipeline_runs.py``): every schedule
   on 2 processes, pp2 x dp2 and pp2 x tp2 on 4 (with activation checkpointing and compiled blocks),
   pp2 x dp2 x tp2 on 8, each equal to one process on the same global batch within 1e-5; evaluation
-  through the pipeline; a checkpoint saved at pp=2 resumes at pp=1, one saved at pp=1 resumes at pp=2
-  with two stages a rank, and ``portatrain export`` reads a pipelined checkpoint.
+  through the pipeline; a checkpoint saved at pp=2 on 2 processes resumes at pp=1 on one and at pp=4 on
+  4, one saved at pp=1 resumes at pp=2 with two stages a rank, and ``portatrain export`` reads a
+  pipelined checkpoint.
 """
 
 from __future__ import annotations
@@ -247,10 +248,11 @@ def _assert_same_steps(got: list[dict], want: list[dict], what: str) -> None:
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), (what, g, w)
 
 
-@pytest.mark.slow
-def test_every_schedule_on_two_processes_matches_one_process_and_checkpoints_move(
-    one_process, tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def two_processes(one_process, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every schedule on 2 processes (one launch), and a pp=1 checkpoint resumed at pp=2 with two stages
+    a rank (``from_pp1``); the 1F1B run saves at step 2 (the pp=1 and pp=4 resumes start there)."""
+    tmp_path = tmp_path_factory.mktemp("two")
     interleaved = ["parallel.pp_virtual_stages=2", "parallel.pp_microbatches=4"]
     # A pp=1 checkpoint, resumed at pp=2 with two stages a rank (the run directory is a copy).
     shutil.copytree(one_process["checkpoint"], tmp_path / "from_pp1" / "checkpoints" / "step_0000002")
@@ -288,9 +290,16 @@ def test_every_schedule_on_two_processes_matches_one_process_and_checkpoints_mov
             "checkpoint.resume=auto",
         ],
     }
-    dirs = _launch(2, runs, tmp_path)
+    return _launch(2, runs, tmp_path)
+
+
+@pytest.mark.slow
+def test_every_schedule_on_two_processes_matches_one_process_and_checkpoints_move(
+    one_process, two_processes, tmp_path: Path
+) -> None:
+    dirs = two_processes
     want = one_process["train"]
-    for name in runs:
+    for name in dirs:
         if name != "from_pp1":
             _assert_same_steps(train_records(dirs[name]), want, name)
     _assert_same_steps(train_records(dirs["from_pp1"]), want[2:], "pp=1 -> pp=2 x 2 stages")
@@ -309,9 +318,12 @@ def test_every_schedule_on_two_processes_matches_one_process_and_checkpoints_mov
 
 @pytest.mark.slow
 def test_pp2_with_fsdp2_and_with_tp2_on_four_processes_matches_one_process(
-    one_process, tmp_path: Path
+    one_process, two_processes, tmp_path: Path
 ) -> None:
+    """pp2 x dp2 (also interleaved, checkpointed and compiled) and pp2 x tp2 against one process; the
+    checkpoint two processes saved at pp=2 (step 2) resumes at pp=4, one block a stage, on four."""
     dp2 = ["parallel.dp_shard=2", "data.batch_size=2"]  # the global batch stays 4 rows
+    saved = two_processes["1F1B"] / "checkpoints" / "step_0000002"
     runs = {
         "pp2_dp2": [*RUN, *PP2, *dp2],
         "pp2_dp2_interleaved_compiled": [
@@ -325,10 +337,12 @@ def test_pp2_with_fsdp2_and_with_tp2_on_four_processes_matches_one_process(
             "compile.backend=aot_eager",
         ],
         "pp2_tp2": [*RUN, *PP2, "parallel.tp=2", "parallel.activation_checkpointing=selective"],
+        "pp2_to_pp4": [*RUN, "parallel.pp=4", "parallel.pp_microbatches=4", f"checkpoint.resume={saved}"],
     }
     dirs = _launch(4, runs, tmp_path)
+    want = {name: one_process["train"] for name in runs} | {"pp2_to_pp4": one_process["train"][2:]}
     for name, run_dir in dirs.items():
-        _assert_same_steps(train_records(run_dir), one_process["train"], name)
+        _assert_same_steps(train_records(run_dir), want[name], name)
 
 
 @pytest.mark.slow
