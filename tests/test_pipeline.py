@@ -16,21 +16,26 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from portatrain.checkpoint import complete_checkpoints, inspect_checkpoint
 from portatrain.launch import render_job
 from portatrain.models import build_model
 from portatrain.parallel.parallel_dims import layout_problems
 from portatrain.parallel.pipeline import bubble_fraction, split_model, stage_ids, stage_layers
 from portatrain.plan import describe_plan
 from portatrain.validate import config_problems
-from tests.helpers import ROOT, TINY, compose_config, fit, read_metrics, run_cli, train_records
+from tests import fault_injection
+from tests.helpers import ROOT, TINY, compose_config, fit, read_metrics, run_cli, step_losses, train_records
 
 STEPS = 3
 RUN = [*TINY, f"trainer.steps={STEPS}", "checkpoint.enabled=false"]  # 4 rows of 64 tokens a step
@@ -221,18 +226,26 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict
     }
 
 
+def _env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    for key in ("WORLD_SIZE", "PORTATRAIN_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    return env
+
+
+def _torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+
+
 def _launch(nproc: int, runs: dict[str, list[str]], tmp_path: Path) -> dict[str, Path]:
     """Train every run of ``runs`` (name -> overrides) in one torchrun launch of ``nproc`` processes."""
     dirs = {name: tmp_path / name for name in runs}
     spec = [{"run_dir": str(dirs[name]), "overrides": overrides} for name, overrides in runs.items()]
     (tmp_path / "runs.json").write_text(json.dumps(spec))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     out = subprocess.run(
-        [*cmd, str(ROOT / "tests" / "pipeline_runs.py"), str(tmp_path / "runs.json")],
+        [*_torchrun(nproc), str(ROOT / "tests" / "pipeline_runs.py"), str(tmp_path / "runs.json")],
         cwd=tmp_path,
-        env=env,
+        env=_env(),
         capture_output=True,
         text=True,
         timeout=900,
@@ -350,3 +363,81 @@ def test_pp2_dp2_tp2_on_eight_processes_matches_one_process(one_process, tmp_pat
     runs = {"pp2_dp2_tp2": [*RUN, *PP2, "parallel.dp_shard=2", "parallel.tp=2", "data.batch_size=2"]}
     dirs = _launch(8, runs, tmp_path)
     _assert_same_steps(train_records(dirs["pp2_dp2_tp2"]), one_process["train"], "pp2 x dp2 x tp2")
+
+
+# ---------------------------------------------------------------------------------------------
+# Stop signals and kill -9, as without a pipeline (tests/test_faults.py, tests/test_elastic.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def _fault_worker(run_dir: Path, overrides: list[str], **fault: str) -> subprocess.CompletedProcess:
+    """A pp=2 launch of ``tests/fault_injection.py`` (the CLI with the kill hook; ``fault``: its
+    ``FAULT_*`` variables, none armed by default): 6 steps, a checkpoint each step, the last 2 kept."""
+    env = {**_env(), "FAULT_KILL_AT": "0", "FAULT_RANK": "0", "FAULT_MARKER": str(run_dir.parent / "none")}
+    return subprocess.run(
+        [*_torchrun(2), str(ROOT / "tests" / "fault_injection.py"), *fault_injection.RUN, *PP2]
+        + [f"run_dir={run_dir}", *overrides],
+        cwd=run_dir.parent,
+        env={**env, **fault},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_pipeline_rank_during_a_save_resumes_from_the_newest_whole_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """A pipeline rank SIGKILLed at a random point of a save (or a rotation): every checkpoint left is
+    whole, a new launch resumes from the newest and trains with the clean run's losses, bitwise."""
+    count = tmp_path / "count"
+    clean = _fault_worker(tmp_path / "clean", [], FAULT_COUNT_FILE=str(count))
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    reference = step_losses(tmp_path / "clean")
+    assert sorted(reference) == list(range(1, 7))
+    points = {rank: int(Path(f"{count}.rank{rank}").read_text()) for rank in (0, 1)}
+    assert min(points.values()) >= 6  # each rank writes its stage's shards in every one of 6 saves
+
+    rng = random.Random(24)
+    rank = rng.randint(0, 1)
+    kill_at = rng.randint(1, points[rank])
+    context = f"rank {rank} killed at point {kill_at} of {points[rank]}\n"
+    run_dir, marker = tmp_path / "killed", tmp_path / "killed.marker"
+    fault = {"FAULT_KILL_AT": str(kill_at), "FAULT_RANK": str(rank), "FAULT_MARKER": str(marker)}
+    killed = _fault_worker(run_dir, [], **fault)
+    assert killed.returncode != 0 and marker.exists(), context + killed.stderr[-3000:]
+    whole = complete_checkpoints(run_dir / "checkpoints")
+    for path in whole:
+        inspect_checkpoint(path)  # raises if a step_N left behind is not whole
+    resumed = _fault_worker(run_dir, ["checkpoint.resume=auto"], **fault)  # the marker disarms the kill
+    assert resumed.returncode == 0, context + resumed.stderr[-3000:]
+    if whole:
+        log = resumed.stdout + resumed.stderr
+        assert f"resumed from {whole[-1]} at step" in log, context + log[-3000:]
+    assert step_losses(run_dir) == reference, context
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_pipelined_portatrain_torchrun_saves_and_exits_0(tmp_path: Path) -> None:
+    args = [*TINY, *PP2, "trainer.steps=100000", "run_dir=run", "trainer.progress=true"]
+    log = tmp_path / "log.txt"
+    with log.open("w") as sink:
+        job = subprocess.Popen(
+            [sys.executable, "-m", "portatrain", "torchrun", "--standalone", "--nproc-per-node=2"]
+            + ["-m", "portatrain", *args],
+            cwd=tmp_path,
+            env=_env(),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 240
+        while "step 2/" not in log.read_text() and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.5)
+        job.send_signal(signal.SIGTERM)
+        status = job.wait(timeout=120)
+    output = log.read_text()
+    assert status == 0, output[-4000:]
+    assert "every worker saved and ended cleanly" in output
+    (saved,) = complete_checkpoints(tmp_path / "run" / "checkpoints")
+    inspect_checkpoint(saved)  # both stages' shards and the unsplit names' index are whole
