@@ -13,7 +13,7 @@ The script trains one process (pp=1) itself, then launches itself under ``torchr
   time of the schedule's step (both ranks end it together, in the loss's all-reduce). The formula
   assumes equal stage times and free communication, which the debug model's millisecond stages on a
   shared CPU are far from; so for this table every operation also costs a fixed time per block of its
-  stage -- ``MS`` milliseconds (default 5) for a forward, twice that for a full backward, ``MS`` each for
+  stage -- ``MS`` milliseconds (default 20) for a forward, twice that for a full backward, ``MS`` each for
   a zero-bubble schedule's input and weight halves (the 1 : 2 forward : backward ratio of a transformer
   block) -- spent asleep: it dominates the sends and receives, and no other job on the machine can
   stretch it. The figures then measure the schedule itself: which operation waits for which, and what the
@@ -281,7 +281,7 @@ def parse_args(argv: list[str]) -> tuple[bool, float, list[str]]:
     (milliseconds, 0 for none), and the config overrides."""
     is_child = bool(argv) and argv[0] == "--child"
     argv = argv[1:] if is_child else argv
-    stage_ms = 5.0
+    stage_ms = 20.0
     if argv and argv[0].startswith("--stage-ms="):
         stage_ms = float(argv[0].removeprefix("--stage-ms="))
         argv = argv[1:]

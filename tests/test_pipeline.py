@@ -9,7 +9,9 @@
   pp2 x dp2 x tp2 on 8, each equal to one process on the same global batch within 1e-5; evaluation
   through the pipeline; a checkpoint saved at pp=2 on 2 processes resumes at pp=1 on one and at pp=4 on
   4, one saved at pp=1 resumes at pp=2 with two stages a rank, and ``portatrain export`` reads a
-  pipelined checkpoint.
+  pipelined checkpoint; pp=2 on ``device=sim`` equal to one process too.
+* Stopping, as without a pipeline: a rank SIGKILLed inside a save leaves whole checkpoints and resumes
+  with the clean run's losses; SIGTERM to ``portatrain torchrun`` saves and exits 0.
 """
 
 from __future__ import annotations
