@@ -9,7 +9,7 @@
   pp2 x dp2 x tp2 on 8, each equal to one process on the same global batch within 1e-5; evaluation
   through the pipeline; a checkpoint saved at pp=2 on 2 processes resumes at pp=1 on one and at pp=4 on
   4, one saved at pp=1 resumes at pp=2 with two stages a rank, and ``portatrain export`` reads a
-  pipelined checkpoint; pp=2 on ``device=sim`` equal to one process too.
+  pipelined checkpoint; pp2 x dp2 and pp2 x tp2 on ``device=sim`` equal to one process too.
 * Stopping, as without a pipeline: a rank SIGKILLed inside a save leaves whole checkpoints and resumes
   with the clean run's losses; SIGTERM to ``portatrain torchrun`` saves and exits 0.
 """
@@ -444,22 +444,26 @@ def test_sigterm_to_a_pipelined_portatrain_torchrun_saves_and_exits_0(tmp_path: 
 
 
 @pytest.mark.slow
-def test_pp2_on_the_sim_device_matches_one_process(one_process, tmp_path: Path) -> None:
-    """``device=sim``: activations and gradients cross between the stages through the sim device's
-    process-group backend (``simccl``), whose sends and receives complete at ``wait()`` as gloo's do (a
-    send that waited for its receiver deadlocked the two stages, which both send first)."""
+def test_pp2_with_fsdp2_and_with_tp2_on_the_sim_device_matches_one_process(
+    one_process, tmp_path: Path
+) -> None:
+    """``device=sim``, 4 processes: activations and gradients cross between the stages through the sim
+    device's process-group backend (``simccl``), whose sends and receives complete at ``wait()`` as
+    gloo's do (a send that waited for its receiver deadlocked the two stages, which both send first);
+    FSDP2 and TP inside each stage take its collectives."""
     sim = [*RUN, *PP2, "device=sim"]
     runs = {
-        "1F1B": [*sim, "trainer.eval_every=3"],
-        "Interleaved1F1B": [
+        "pp2_dp2": [*sim, "parallel.dp_shard=2", "data.batch_size=2", "trainer.eval_every=3"],
+        "pp2_tp2_interleaved": [
             *sim,
+            "parallel.tp=2",
             "parallel.pp_schedule=Interleaved1F1B",
             "parallel.pp_virtual_stages=2",
             "parallel.pp_microbatches=4",
         ],
     }
-    dirs = _launch(2, runs, tmp_path)
+    dirs = _launch(4, runs, tmp_path)
     for name, run_dir in dirs.items():
         _assert_same_steps(train_records(run_dir), one_process["train"], f"{name} on sim")
-    evals = [r["eval_loss"] for r in read_metrics(dirs["1F1B"]) if "eval_loss" in r]
+    evals = [r["eval_loss"] for r in read_metrics(dirs["pp2_dp2"]) if "eval_loss" in r]
     assert evals == pytest.approx(one_process["eval"], abs=1e-5)
