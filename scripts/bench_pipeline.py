@@ -122,6 +122,7 @@ def trace_operations(stages: list, cost_s: float, spans: list[tuple[float, float
     def units(method: str, args: tuple, kwargs: dict) -> int:
         if method != "backward_one_chunk":
             return 1
+        # backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False)
         full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)
         return 2 if full else 1
 
@@ -135,7 +136,7 @@ def trace_operations(stages: list, cost_s: float, spans: list[tuple[float, float
                 try:
                     out = _original(*args, **kwargs)
                     if cost_s:
-                        time.sleep(cost_s * _blocks * units(_method, (None, *args), kwargs))
+                        time.sleep(cost_s * _blocks * units(_method, args, kwargs))
                     return out
                 finally:
                     spans.append((start, time.perf_counter()))
