@@ -7,29 +7,37 @@
 * Under ``torchrun`` (slow tier), several layouts per launch (``tests/pipeline_runs.py``): every schedule
   on 2 processes, pp2 x dp2 and pp2 x tp2 on 4 (with activation checkpointing and compiled blocks),
   pp2 x dp2 x tp2 on 8, each equal to one process on the same global batch within 1e-5; evaluation
-  through the pipeline; a checkpoint saved at pp=2 resumes at pp=1, one saved at pp=1 resumes at pp=2
-  with two stages a rank, and ``portatrain export`` reads a pipelined checkpoint.
+  through the pipeline; a checkpoint saved at pp=2 on 2 processes resumes at pp=1 on one and at pp=4 on
+  4, one saved at pp=1 resumes at pp=2 with two stages a rank, and ``portatrain export`` reads a
+  pipelined checkpoint; pp2 x dp2 and pp2 x tp2 on ``device=sim`` equal to one process too.
+* Stopping, as without a pipeline: a rank SIGKILLed inside a save leaves whole checkpoints and resumes
+  with the clean run's losses; SIGTERM to ``portatrain torchrun`` saves and exits 0.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from portatrain.checkpoint import complete_checkpoints, inspect_checkpoint
 from portatrain.launch import render_job
 from portatrain.models import build_model
 from portatrain.parallel.parallel_dims import layout_problems
 from portatrain.parallel.pipeline import bubble_fraction, split_model, stage_ids, stage_layers
 from portatrain.plan import describe_plan
 from portatrain.validate import config_problems
-from tests.helpers import ROOT, TINY, compose_config, fit, read_metrics, run_cli, train_records
+from tests import fault_injection
+from tests.helpers import ROOT, TINY, compose_config, fit, read_metrics, run_cli, step_losses, train_records
 
 STEPS = 3
 RUN = [*TINY, f"trainer.steps={STEPS}", "checkpoint.enabled=false"]  # 4 rows of 64 tokens a step
@@ -156,8 +164,6 @@ def test_bad_schedule_settings_and_world_size_are_config_problems(monkeypatch: p
     assert "pp(2) * dp_replicate(1) * tp(1) = 2 does not divide world size 1" in problems
     assert "1F1B needs at least one micro-batch per stage (pp=2)" in problems
     assert "parallel.pp_layers=[1, 2] must give 2 stages" in problems and "pp_layers=[2,2]" in problems
-    (problem,) = config_problems(compose_config(["dry_run=true", "device=sim", "parallel.pp=2"]))
-    assert "parallel.pp=2 with device=sim" in problem and "deadlock" in problem
     interleaved = ["dry_run=true", "parallel.pp=4", "parallel.pp_schedule=Interleaved1F1B"]
     assert config_problems(compose_config([*interleaved, "parallel.pp_microbatches=8"])) == []
     (problem,) = config_problems(
@@ -220,18 +226,26 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict
     }
 
 
+def _env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    for key in ("WORLD_SIZE", "PORTATRAIN_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    return env
+
+
+def _torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+
+
 def _launch(nproc: int, runs: dict[str, list[str]], tmp_path: Path) -> dict[str, Path]:
     """Train every run of ``runs`` (name -> overrides) in one torchrun launch of ``nproc`` processes."""
     dirs = {name: tmp_path / name for name in runs}
     spec = [{"run_dir": str(dirs[name]), "overrides": overrides} for name, overrides in runs.items()]
     (tmp_path / "runs.json").write_text(json.dumps(spec))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     out = subprocess.run(
-        [*cmd, str(ROOT / "tests" / "pipeline_runs.py"), str(tmp_path / "runs.json")],
+        [*_torchrun(nproc), str(ROOT / "tests" / "pipeline_runs.py"), str(tmp_path / "runs.json")],
         cwd=tmp_path,
-        env=env,
+        env=_env(),
         capture_output=True,
         text=True,
         timeout=900,
@@ -247,10 +261,11 @@ def _assert_same_steps(got: list[dict], want: list[dict], what: str) -> None:
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), (what, g, w)
 
 
-@pytest.mark.slow
-def test_every_schedule_on_two_processes_matches_one_process_and_checkpoints_move(
-    one_process, tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def two_processes(one_process, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every schedule on 2 processes (one launch), and a pp=1 checkpoint resumed at pp=2 with two stages
+    a rank (``from_pp1``); the 1F1B run saves at step 2 (the pp=1 and pp=4 resumes start there)."""
+    tmp_path = tmp_path_factory.mktemp("two")
     interleaved = ["parallel.pp_virtual_stages=2", "parallel.pp_microbatches=4"]
     # A pp=1 checkpoint, resumed at pp=2 with two stages a rank (the run directory is a copy).
     shutil.copytree(one_process["checkpoint"], tmp_path / "from_pp1" / "checkpoints" / "step_0000002")
@@ -288,9 +303,16 @@ def test_every_schedule_on_two_processes_matches_one_process_and_checkpoints_mov
             "checkpoint.resume=auto",
         ],
     }
-    dirs = _launch(2, runs, tmp_path)
+    return _launch(2, runs, tmp_path)
+
+
+@pytest.mark.slow
+def test_every_schedule_on_two_processes_matches_one_process_and_checkpoints_move(
+    one_process, two_processes, tmp_path: Path
+) -> None:
+    dirs = two_processes
     want = one_process["train"]
-    for name in runs:
+    for name in dirs:
         if name != "from_pp1":
             _assert_same_steps(train_records(dirs[name]), want, name)
     _assert_same_steps(train_records(dirs["from_pp1"]), want[2:], "pp=1 -> pp=2 x 2 stages")
@@ -309,9 +331,12 @@ def test_every_schedule_on_two_processes_matches_one_process_and_checkpoints_mov
 
 @pytest.mark.slow
 def test_pp2_with_fsdp2_and_with_tp2_on_four_processes_matches_one_process(
-    one_process, tmp_path: Path
+    one_process, two_processes, tmp_path: Path
 ) -> None:
+    """pp2 x dp2 (also interleaved, checkpointed and compiled) and pp2 x tp2 against one process; the
+    checkpoint two processes saved at pp=2 (step 2) resumes at pp=4, one block a stage, on four."""
     dp2 = ["parallel.dp_shard=2", "data.batch_size=2"]  # the global batch stays 4 rows
+    saved = two_processes["1F1B"] / "checkpoints" / "step_0000002"
     runs = {
         "pp2_dp2": [*RUN, *PP2, *dp2],
         "pp2_dp2_interleaved_compiled": [
@@ -325,10 +350,12 @@ def test_pp2_with_fsdp2_and_with_tp2_on_four_processes_matches_one_process(
             "compile.backend=aot_eager",
         ],
         "pp2_tp2": [*RUN, *PP2, "parallel.tp=2", "parallel.activation_checkpointing=selective"],
+        "pp2_to_pp4": [*RUN, "parallel.pp=4", "parallel.pp_microbatches=4", f"checkpoint.resume={saved}"],
     }
     dirs = _launch(4, runs, tmp_path)
+    want = {name: one_process["train"] for name in runs} | {"pp2_to_pp4": one_process["train"][2:]}
     for name, run_dir in dirs.items():
-        _assert_same_steps(train_records(run_dir), one_process["train"], name)
+        _assert_same_steps(train_records(run_dir), want[name], name)
 
 
 @pytest.mark.slow
@@ -336,3 +363,113 @@ def test_pp2_dp2_tp2_on_eight_processes_matches_one_process(one_process, tmp_pat
     runs = {"pp2_dp2_tp2": [*RUN, *PP2, "parallel.dp_shard=2", "parallel.tp=2", "data.batch_size=2"]}
     dirs = _launch(8, runs, tmp_path)
     _assert_same_steps(train_records(dirs["pp2_dp2_tp2"]), one_process["train"], "pp2 x dp2 x tp2")
+
+
+# ---------------------------------------------------------------------------------------------
+# Stop signals and kill -9, as without a pipeline (tests/test_faults.py, tests/test_elastic.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def _fault_worker(run_dir: Path, overrides: list[str], **fault: str) -> subprocess.CompletedProcess:
+    """A pp=2 launch of ``tests/fault_injection.py`` (the CLI with the kill hook; ``fault``: its
+    ``FAULT_*`` variables, none armed by default): 4 steps, a checkpoint each step, the last 2 kept."""
+    env = {**_env(), "FAULT_KILL_AT": "0", "FAULT_RANK": "0", "FAULT_MARKER": str(run_dir.parent / "none")}
+    return subprocess.run(
+        [
+            *_torchrun(2),
+            str(ROOT / "tests" / "fault_injection.py"),
+            *fault_injection.RUN,
+            *PP2,
+            "trainer.steps=4",
+        ]
+        + [f"run_dir={run_dir}", *overrides],
+        cwd=run_dir.parent,
+        env={**env, **fault},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_pipeline_rank_during_a_save_resumes_from_the_newest_whole_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """A pipeline rank SIGKILLed at a random point of a save (or a rotation): every checkpoint left is
+    whole, a new launch resumes from the newest and trains with the clean run's losses, bitwise."""
+    count = tmp_path / "count"
+    clean = _fault_worker(tmp_path / "clean", [], FAULT_COUNT_FILE=str(count))
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    reference = step_losses(tmp_path / "clean")
+    assert sorted(reference) == list(range(1, 5))
+    points = {rank: int(Path(f"{count}.rank{rank}").read_text()) for rank in (0, 1)}
+    assert min(points.values()) >= 4  # each rank writes its stage's shards in every one of 4 saves
+
+    rng = random.Random(24)
+    rank = rng.randint(0, 1)
+    kill_at = rng.randint(1, points[rank])
+    context = f"rank {rank} killed at point {kill_at} of {points[rank]}\n"
+    run_dir, marker = tmp_path / "killed", tmp_path / "killed.marker"
+    fault = {"FAULT_KILL_AT": str(kill_at), "FAULT_RANK": str(rank), "FAULT_MARKER": str(marker)}
+    killed = _fault_worker(run_dir, [], **fault)
+    assert killed.returncode != 0 and marker.exists(), context + killed.stderr[-3000:]
+    whole = complete_checkpoints(run_dir / "checkpoints")
+    for path in whole:
+        inspect_checkpoint(path)  # raises if a step_N left behind is not whole
+    resumed = _fault_worker(run_dir, ["checkpoint.resume=auto"], **fault)  # the marker disarms the kill
+    assert resumed.returncode == 0, context + resumed.stderr[-3000:]
+    if whole:
+        log = resumed.stdout + resumed.stderr
+        assert f"resumed from {whole[-1]} at step" in log, context + log[-3000:]
+    assert step_losses(run_dir) == reference, context
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_pipelined_portatrain_torchrun_saves_and_exits_0(tmp_path: Path) -> None:
+    args = [*TINY, *PP2, "trainer.steps=100000", "run_dir=run", "trainer.progress=true"]
+    log = tmp_path / "log.txt"
+    with log.open("w") as sink:
+        job = subprocess.Popen(
+            [sys.executable, "-m", "portatrain", "torchrun", "--standalone", "--nproc-per-node=2"]
+            + ["-m", "portatrain", *args],
+            cwd=tmp_path,
+            env=_env(),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 240
+        while "step 2/" not in log.read_text() and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.5)
+        job.send_signal(signal.SIGTERM)
+        status = job.wait(timeout=120)
+    output = log.read_text()
+    assert status == 0, output[-4000:]
+    assert "every worker saved and ended cleanly" in output
+    (saved,) = complete_checkpoints(tmp_path / "run" / "checkpoints")
+    inspect_checkpoint(saved)  # both stages' shards and the unsplit names' index are whole
+
+
+@pytest.mark.slow
+def test_pp2_with_fsdp2_and_with_tp2_on_the_sim_device_matches_one_process(
+    one_process, tmp_path: Path
+) -> None:
+    """``device=sim``, 4 processes: activations and gradients cross between the stages through the sim
+    device's process-group backend (``simccl``), whose sends and receives complete at ``wait()`` as
+    gloo's do (a send that waited for its receiver deadlocked the two stages, which both send first);
+    FSDP2 and TP inside each stage take its collectives."""
+    sim = [*RUN, *PP2, "device=sim"]
+    runs = {
+        "pp2_dp2": [*sim, "parallel.dp_shard=2", "data.batch_size=2", "trainer.eval_every=3"],
+        "pp2_tp2_interleaved": [
+            *sim,
+            "parallel.tp=2",
+            "parallel.pp_schedule=Interleaved1F1B",
+            "parallel.pp_virtual_stages=2",
+            "parallel.pp_microbatches=4",
+        ],
+    }
+    dirs = _launch(4, runs, tmp_path)
+    for name, run_dir in dirs.items():
+        _assert_same_steps(train_records(run_dir), one_process["train"], f"{name} on sim")
+    evals = [r["eval_loss"] for r in read_metrics(dirs["pp2_dp2"]) if "eval_loss" in r]
+    assert evals == pytest.approx(one_process["eval"], abs=1e-5)

@@ -116,7 +116,6 @@ def config_problems(cfg: Config) -> list[str]:
         compile_enabled=cfg.compile.enabled,
         compile_granularity=cfg.compile.granularity,
         evaluates=cfg.trainer.eval_every > 0,
-        device_type=cfg.device.type,
     )
     return problems
 

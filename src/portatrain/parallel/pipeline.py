@@ -86,14 +86,12 @@ def pipeline_problems(
     compile_enabled: bool,
     compile_granularity: str,
     evaluates: bool = False,
-    device_type: str = "cpu",
 ) -> list[str]:
     """Every reason the pipeline settings of ``parallel`` cannot run, each with the fix (empty with pp=1).
 
     ``n_layers``, ``tie_embeddings`` and ``sparse`` (a mixture-of-experts layer) describe the model
     (``n_layers`` None when the model is itself invalid); ``batch_size`` is ``data.batch_size``, the rows
-    one data-parallel rank feeds a schedule step; ``evaluates`` says the run evaluates (``trainer.eval_every``);
-    ``device_type`` is ``device.type``.
+    one data-parallel rank feeds a schedule step; ``evaluates`` says the run evaluates (``trainer.eval_every``).
     """
     pp, virtual = int(parallel.pp), int(parallel.pp_virtual_stages)
     name = parallel.pp_schedule
@@ -166,12 +164,6 @@ def pipeline_problems(
     if int(parallel.ep) > 1:
         problems.append(
             f"parallel.ep={parallel.ep} with parallel.pp={pp} is not supported; set one of them to 1"
-        )
-    if device_type == "sim":
-        problems.append(
-            f"parallel.pp={pp} with device=sim: the simulated device's process group completes each send "
-            "before it returns, so a schedule's paired sends and receives (both stages send first) deadlock; "
-            "use device=cpu or parallel.pp=1"
         )
     if collator == "bucket":
         problems.append(

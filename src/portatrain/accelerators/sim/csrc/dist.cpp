@@ -5,9 +5,12 @@
 // they call (_allgather_base, _reduce_scatter_base, ...). This C++ backend aliases each device
 // tensor as a CPU tensor over the same bytes, runs the collective on an inner ProcessGroupGloo
 // (built in Python on its own store prefix) and waits for it: execution is synchronous, as
-// everything else on the sim device. Gloo has no AVG, which FSDP2 uses for fp32 gradient
-// reductions: it is emulated as SUM followed by a division, and PREMUL_SUM as a scaling of the
-// inputs followed by SUM.
+// everything else on the sim device. Point-to-point sends and receives are the exception: they
+// return in flight and complete at wait(), as gloo's and NCCL's do, because a pipeline schedule
+// posts its stages' sends and receives together (torch.distributed.batch_isend_irecv) and waits
+// for all of them after; a send that waited for its receiver there would deadlock two stages that
+// both send first. Gloo has no AVG, which FSDP2 uses for fp32 gradient reductions: it is emulated
+// as SUM followed by a division, and PREMUL_SUM as a scaling of the inputs followed by SUM.
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -49,6 +52,29 @@ class DoneWork final : public c10d::Work {
 
  private:
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// A send or receive in flight on the inner gloo group, through CPU aliases of device tensors.
+// The aliases do not own the bytes: this holds the device tensors until the transfer is waited for.
+class InFlightWork final : public c10d::Work {
+ public:
+  InFlightWork(c10::intrusive_ptr<c10d::Work> inner, std::vector<at::Tensor> tensors, c10d::OpType type)
+      : c10d::Work(-1, type), inner_(std::move(inner)), tensors_(std::move(tensors)) {}
+  bool isCompleted() override { return inner_->isCompleted(); }
+  bool isSuccess() const override { return inner_->isSuccess(); }
+  std::exception_ptr exception() const override { return inner_->exception(); }
+  int sourceRank() const override { return inner_->sourceRank(); }
+  bool wait(std::chrono::milliseconds timeout) override {
+    const bool done = inner_->wait(timeout);
+    tensors_.clear();
+    return done;
+  }
+  void abort() override { inner_->abort(); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return inner_->getFuture(); }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> inner_;
+  std::vector<at::Tensor> tensors_;
 };
 
 c10::intrusive_ptr<c10d::Work> finish(const c10::intrusive_ptr<c10d::Work>& work, c10d::OpType type) {
@@ -220,14 +246,15 @@ class SimBackend final : public c10d::Backend {
     return finish(inner_->alltoall(o, i, opts), c10d::OpType::ALLTOALL);
   }
 
+  // Not waited for here (see the top of the file): the caller waits.
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
     auto a = host_view(tensors);
-    return finish(inner_->send(a, dst, tag), c10d::OpType::SEND);
+    return c10::make_intrusive<InFlightWork>(inner_->send(a, dst, tag), tensors, c10d::OpType::SEND);
   }
 
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
     auto a = host_view(tensors);
-    return finish(inner_->recv(a, src, tag), c10d::OpType::RECV);
+    return c10::make_intrusive<InFlightWork>(inner_->recv(a, src, tag), tensors, c10d::OpType::RECV);
   }
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
