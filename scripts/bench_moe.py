@@ -71,33 +71,71 @@ def _step(module: torch.nn.Module, x: torch.Tensor) -> Callable[[], None]:
     return run
 
 
-def _matmuls(moe: MoE, x: torch.Tensor) -> Callable[[], None]:
-    """The grouped matmuls of ``moe``'s dropless forward and backward on ``x``'s routing, alone."""
+def _matmuls(moe: MoE, dense: FeedForward, x: torch.Tensor) -> dict[str, tuple[Callable, Callable]]:
+    """The six grouped matmuls of ``moe``'s dropless forward and backward on ``x``'s routing, each
+    with the dense layer's matmul of the same FLOPs: ``{name: (grouped, dense)}``. Inputs are made
+    here; outputs are allocated per call, as in the layers."""
     with torch.no_grad():
         _, experts, _ = moe.gate(x)
         flat = experts.t().reshape(-1)
         order = torch.argsort(flat, stable=True)
         offs = torch.cumsum(torch.bincount(flat, minlength=moe.n_experts), dim=0, dtype=torch.int32)
         rows = x[torch.arange(x.shape[0]).repeat(moe.top_k)[order]]
+        dense_gate_up = torch.cat([dense.gate_proj.weight, dense.up_proj.weight])
+        dense_down = dense.down_proj.weight.detach()
     gate_up_proj, down_proj = moe.experts.gate_up_proj.detach(), moe.experts.down_proj.detach()
     hidden = torch.randn(rows.shape[0], down_proj.shape[-1])
     grad_out, grad_gate_up = torch.randn_like(rows), torch.randn(rows.shape[0], gate_up_proj.shape[1])
+    dense_hidden = torch.randn(x.shape[0], dense_down.shape[1])
+    dense_grad_out, dense_grad_gate_up = torch.randn_like(x), torch.randn(x.shape[0], dense_gate_up.shape[0])
+    return {
+        "gate_up forward": (
+            lambda: grouped_mm(rows, gate_up_proj.transpose(1, 2), offs),
+            lambda: x @ dense_gate_up.t(),
+        ),
+        "down forward": (
+            lambda: grouped_mm(hidden, down_proj.transpose(1, 2), offs),
+            lambda: dense_hidden @ dense_down.t(),
+        ),
+        "down input grad": (
+            lambda: grouped_mm(grad_out, down_proj, offs),
+            lambda: dense_grad_out @ dense_down,
+        ),
+        "gate_up input grad": (
+            lambda: grouped_mm(grad_gate_up, gate_up_proj, offs),
+            lambda: dense_grad_gate_up @ dense_gate_up,
+        ),
+        "down weight grad": (
+            lambda: grouped_outer(grad_out, hidden, offs),
+            lambda: dense_grad_out.t() @ dense_hidden,
+        ),
+        "gate_up weight grad": (
+            lambda: grouped_outer(grad_gate_up, rows, offs),
+            lambda: dense_grad_gate_up.t() @ x,
+        ),
+    }
 
+
+def _all(calls: list[Callable]) -> Callable[[], None]:
     def run() -> None:
-        grouped_mm(rows, gate_up_proj.transpose(1, 2), offs)  # forward: gate and up
-        grouped_mm(hidden, down_proj.transpose(1, 2), offs)  # forward: down
-        grouped_mm(grad_out, down_proj, offs)  # backward: the input gradients...
-        grouped_mm(grad_gate_up, gate_up_proj, offs)
-        grouped_outer(grad_out, hidden, offs)  # ...and the weights'
-        grouped_outer(grad_gate_up, rows, offs)
+        for call in calls:
+            call()
 
     return run
 
 
 def measure(
-    dim: int, width: int, experts: int, top_k: int, tokens: int, rounds: int, hf: tuple[str, ...]
+    dim: int,
+    width: int,
+    experts: int,
+    top_k: int,
+    tokens: int,
+    rounds: int,
+    hf: tuple[str, ...],
+    breakdown: bool = False,
 ) -> dict[str, tuple[float, float]]:
-    """``{runner: (median CPU seconds, median wall seconds)}`` of one forward + backward."""
+    """``{runner: (median CPU seconds, median wall seconds)}`` of one forward + backward (with
+    ``breakdown``, also each grouped matmul, ``grouped <name>``, and its dense one, ``dense <name>``)."""
     torch.manual_seed(0)
     moe = MoE(dim, width, experts, top_k, norm_topk_prob=True)
     moe.init_weights(0.02, 0.02)
@@ -111,8 +149,12 @@ def measure(
         "dense": _step(dense, x),
         "ours-dropless": _step(moe, x),
         "ours-capacity": _step(capacity, x),
-        "ours-matmuls": _matmuls(moe, x.detach()),
     }
+    matmuls = _matmuls(moe, dense, x.detach())
+    runners["ours-matmuls"] = _all([grouped for grouped, _ in matmuls.values()])
+    if breakdown:
+        for name, (grouped, dense_mm) in matmuls.items():
+            runners[f"grouped {name}"], runners[f"dense {name}"] = grouped, dense_mm
     for impl in hf:
         block = _hf_block(moe, dim, width, experts, top_k, impl)
         if block is not None:
@@ -143,6 +185,9 @@ def main() -> None:
         default=",".join(HF_IMPLEMENTATIONS),
         help="transformers' expert implementations to time, comma-separated ('' for none)",
     )
+    parser.add_argument(
+        "--breakdown", action="store_true", help="also time each grouped matmul beside the dense one"
+    )
     args = parser.parse_args()
     hf = tuple(name for name in args.hf.split(",") if name)
     for name in hf:
@@ -152,13 +197,19 @@ def main() -> None:
     print("load average before: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     for experts, top_k in ((128, 8), (32, 4)):
         width = args.dim * 3 // 8
-        t = measure(args.dim, width, experts, top_k, args.tokens, args.rounds, hf)
+        t = measure(args.dim, width, experts, top_k, args.tokens, args.rounds, hf, args.breakdown)
         print(
             f"\n{experts} experts, top-{top_k}, dim {args.dim}, expert width {width} (dense width {top_k * width})"
         )
         print(f"  {'':<14} {'CPU':>8}    {'wall':>8}")
         for name, (cpu, wall) in t.items():
-            print(f"  {name:<14} {cpu * 1e3:8.1f} ms {wall * 1e3:8.1f} ms")
+            if not name.startswith(("grouped ", "dense ")):
+                print(f"  {name:<14} {cpu * 1e3:8.1f} ms {wall * 1e3:8.1f} ms")
+        for name in (name.removeprefix("grouped ") for name in t if name.startswith("grouped ")):
+            grouped, dense_mm = t[f"grouped {name}"][0], t[f"dense {name}"][0]
+            print(
+                f"  {name:<20} grouped {grouped * 1e3:6.1f} ms, dense {dense_mm * 1e3:6.1f} ms: {dense_mm / grouped:.2f}"
+            )
         dense = t["dense"][0]
         print(f"  dense / ours-matmuls: {dense / t['ours-matmuls'][0]:.2f} (the bound for dense / ours)")
         for ours in ("ours-dropless", "ours-capacity"):
