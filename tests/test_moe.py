@@ -121,6 +121,9 @@ def test_grouped_linear_ops_pass_torch_library_checks_and_the_loop_equals_native
     torch.library.opcheck(grouped_linear, (x, w, offs))
     native = grouped_linear(x, w, offs)
     grads = torch.autograd.grad(native.square().sum(), (x, w))
+    # An input that needs no gradient gets none (its grouped matmul is skipped); the weight's is unchanged.
+    (weight_only,) = torch.autograd.grad(grouped_linear(x.detach(), w, offs).square().sum(), (w,))
+    assert torch.equal(weight_only, grads[1])
     monkeypatch.setattr(moe_mod, "_native_grouped_mm", lambda *tensors: False)
     loop = grouped_linear(x, w, offs)
     assert torch.allclose(loop, native, atol=1e-5)

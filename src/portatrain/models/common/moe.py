@@ -147,7 +147,9 @@ def _grouped_linear_setup(ctx, inputs, output) -> None:  # noqa: ANN001 (torch.l
 def _grouped_linear_backward(ctx, grad: torch.Tensor):  # noqa: ANN001
     x, weight, offs = ctx.saved_tensors
     grad = grad.contiguous()
-    return grouped_mm(grad, weight, offs), grouped_outer(grad, x, offs), None
+    grad_x = grouped_mm(grad, weight, offs) if ctx.needs_input_grad[0] else None
+    grad_weight = grouped_outer(grad, x, offs) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_weight, None
 
 
 grouped_linear.register_autograd(_grouped_linear_backward, setup_context=_grouped_linear_setup)
