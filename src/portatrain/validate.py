@@ -20,6 +20,7 @@ from portatrain.dtypes import dtype_problem
 from portatrain.errors import ConfigError
 from portatrain.evaluation.tasks import eval_problems
 from portatrain.export import export_problems
+from portatrain.fault_tolerance import fault_tolerance_problems
 from portatrain.finetune import finetune_problems
 from portatrain.kernels import config_problems as kernel_problems
 from portatrain.losses import loss_problems
@@ -53,6 +54,7 @@ def config_problems(cfg: Config) -> list[str]:
     problems += trainer_problems(cfg.trainer)
     problems += finetune_problems(cfg.finetune, cfg.model, cfg.data, cfg.compile)
     problems += checkpoint_problems(cfg.checkpoint)
+    problems += fault_tolerance_problems(cfg.fault_tolerance, cfg.parallel, cfg.device.type)
     problems += compile_problems(cfg.compile)
     problems += kernel_problems(list(cfg.kernels.enabled), cfg.device.type)
     if cfg.kernels.enabled and cfg.parallel.tp > 1:
