@@ -177,3 +177,110 @@ def test_a_killed_replica_group_rejoins_while_the_other_trains_on(tmp_path: Path
     records = train_records(tmp_path / "run" / "replica_0")
     assert all(math.isfinite(r["loss"]) for r in records)
     assert records[-1]["loss"] < records[0]["loss"] - 0.5, (records[0], records[-1])
+
+
+# -- rendered jobs: each replica group a separately restartable unit, plus the lighthouse --------------
+FT_JOB = ["fault_tolerance.enabled=true", "fault_tolerance.group_size=3", "fault_tolerance.min_replicas=2"]
+
+
+def _render(overrides: list[str]) -> str:
+    from portatrain.launch import render_job
+
+    return render_job(compose_config(overrides), overrides).text
+
+
+def test_slurm_runs_the_lighthouse_and_each_replica_group_as_an_array_task(tmp_path: Path) -> None:
+    overrides = ["device=cuda", "parallel.launch.nodes=2", "parallel.launch.procs_per_node=8", *FT_JOB]
+    script = _render(overrides)
+    (tmp_path / "job.sbatch").write_text(script)
+    assert subprocess.run(["bash", "-n", tmp_path / "job.sbatch"], capture_output=True).returncode == 0
+    outer, groups = script.split("<<'PORTATRAIN_REPLICA_GROUPS'\n")
+    groups = groups.removesuffix("PORTATRAIN_REPLICA_GROUPS\n")
+    (tmp_path / "groups.sbatch").write_text(groups)
+    assert subprocess.run(["bash", "-n", tmp_path / "groups.sbatch"], capture_output=True).returncode == 0
+    # The outer job: one small node serving the lighthouse, waiting for the array it submits.
+    assert "#SBATCH --nodes=1\n" in outer and "#SBATCH --array" not in outer and "srun" not in outer
+    assert "python -m portatrain lighthouse --port=29510 --min-replicas=2 &\n" in outer
+    assert 'export TORCHFT_LIGHTHOUSE="http://$(hostname):29510"\n' in outer
+    assert 'export PORTATRAIN_RUN_ID="${PORTATRAIN_RUN_ID:-$SLURM_JOB_ID}"\n' in outer
+    assert outer.rstrip().endswith("sbatch --wait --export=ALL")
+    # The array: one task per group, each its own allocation, rendezvous and restarts.
+    for line in (
+        "--array=0-2",
+        "--nodes=2",
+        "--gpus-per-node=8",
+        "--requeue",
+        "--output=portatrain-debug-group-%A_%a.out",
+    ):
+        assert f"#SBATCH {line}\n" in groups
+    assert '    --rdzv-id="$SLURM_JOB_ID" \\\n' in groups and "    --max-restarts=3 \\\n" in groups
+    assert groups.count("fault_tolerance.replica_id=") == 1
+    assert (
+        'fault_tolerance.group_size=3 fault_tolerance.min_replicas=2 checkpoint.resume=auto fault_tolerance.replica_id="$SLURM_ARRAY_TASK_ID" &\n'
+        in groups
+    )
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in groups  # the task's own id: requeued alone
+    # A lighthouse of the user's own: the array is the whole job.
+    own = _render([*overrides, "fault_tolerance.lighthouse=http://lh:29510"])
+    assert (
+        own.startswith("#!/bin/bash")
+        and "portatrain lighthouse" not in own
+        and "#SBATCH --array=0-2\n" in own
+    )
+
+
+def test_kubernetes_runs_a_pytorchjob_per_replica_group_and_a_lighthouse_service() -> None:
+    import yaml
+
+    from tests.test_kubernetes import crd_schema, validate
+
+    overrides = [
+        "device=cuda",
+        "parallel.launch.scheduler=pytorchjob",
+        "parallel.launch.nodes=2",
+        "parallel.launch.procs_per_node=8",
+        "parallel.launch.efa=0",
+        "parallel.launch.image=registry/portatrain:1",
+        "parallel.launch.volume_claim=runs",
+        *FT_JOB,
+        "fault_tolerance.replica_id=1",  # ignored: each group gets its own
+    ]
+    docs = list(yaml.safe_load_all(_render(overrides)))
+    assert [d["kind"] for d in docs] == ["Service", "Deployment", "PyTorchJob", "PyTorchJob", "PyTorchJob"]
+    service, deployment, *groups = docs
+    address = f"http://{service['metadata']['name']}:29510"
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()  # the Service reaches the pod
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["command"][-1] == "exec python -m portatrain lighthouse --port=29510 --min-replicas=2"
+    run_dirs = set()
+    for replica_id, job in enumerate(groups):
+        assert validate(job, crd_schema("pytorchjob-v1.9.0.yaml.gz", "v1")) == []
+        assert job["metadata"]["name"].endswith(f"-g{replica_id}")
+        assert job["spec"]["runPolicy"]["backoffLimit"] == 3  # restarted alone
+        assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+        command = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0][
+            "command"
+        ][-1]
+        assert re.findall(r"fault_tolerance.replica_id=(\d)", command) == [str(replica_id)]
+        assert f"fault_tolerance.lighthouse={address}" in command
+        assert f"--rdzv-id={job['metadata']['name']} " in command
+        run_dirs.add(re.search(r"run_dir=(\S+)", command).group(1))
+    assert len(run_dirs) == 1  # one run directory, a replica_<id> inside per group
+
+
+def test_fault_tolerance_renders_only_pytorchjobs_on_kubernetes() -> None:
+    from portatrain.errors import ConfigError
+    from portatrain.launch import render_job
+
+    cfg = compose_config(
+        [
+            "device=cpu",
+            "parallel.launch.scheduler=jobset",
+            "parallel.launch.image=i",
+            "parallel.launch.volume_claim=v",
+            *FT_JOB,
+        ]
+    )
+    with pytest.raises(ConfigError, match="set parallel.launch.scheduler=pytorchjob device=cuda"):
+        render_job(cfg, [])

@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 """torchft's environment variable for the lighthouse address (read when ``fault_tolerance.lighthouse`` is None)."""
 
+LIGHTHOUSE_PORT = 29510
+"""The port ``portatrain lighthouse`` serves on by default, and rendered jobs' lighthouse."""
+
 PROCESS_GROUPS = {"cpu": "ProcessGroupGloo", "cuda": "ProcessGroupNCCL"}
 """Device type -> torchft's reconfigurable process group for the cross-group all-reduce."""
 

@@ -14,13 +14,20 @@ import argparse
 import signal
 import threading
 
+from portatrain.fault_tolerance import LIGHTHOUSE_PORT
+
 HYDRA = False
 EXAMPLE = "portatrain lighthouse --port 29510 --min-replicas 1"
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="portatrain lighthouse", description=__doc__.split("\n\n")[0])
-    p.add_argument("--port", type=int, default=29510, help="TCP port to serve on (0: any free port) [29510]")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=LIGHTHOUSE_PORT,
+        help=f"TCP port to serve on (0: any free one) [{LIGHTHOUSE_PORT}]",
+    )
     p.add_argument("--bind", default="[::]", help="address to bind [[::], every interface]")
     p.add_argument(
         "--min-replicas",
