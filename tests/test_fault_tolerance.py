@@ -284,3 +284,10 @@ def test_fault_tolerance_renders_only_pytorchjobs_on_kubernetes() -> None:
     )
     with pytest.raises(ConfigError, match="set parallel.launch.scheduler=pytorchjob device=cuda"):
         render_job(cfg, [])
+
+
+def test_dpo_with_fault_tolerance_is_refused() -> None:
+    from portatrain.validate import config_problems
+
+    problems = config_problems(compose_config(["fault_tolerance.enabled=true", "finetune.method=dpo"]))
+    assert any(p.startswith("fault_tolerance.enabled=true with finetune.method=dpo") for p in problems)

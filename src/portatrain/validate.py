@@ -55,6 +55,12 @@ def config_problems(cfg: Config) -> list[str]:
     problems += finetune_problems(cfg.finetune, cfg.model, cfg.data, cfg.compile)
     problems += checkpoint_problems(cfg.checkpoint)
     problems += fault_tolerance_problems(cfg.fault_tolerance, cfg.parallel, cfg.device.type)
+    if cfg.fault_tolerance.enabled and cfg.finetune.method == "dpo":
+        # DPO's train_step (portatrain.dpo_trainer) has no replica-group all-reduce or commit vote.
+        problems.append(
+            "fault_tolerance.enabled=true with finetune.method=dpo: DPO's step does not average gradients "
+            "across replica groups; set fault_tolerance.enabled=false (or use parallel.dp_shard for data parallel)"
+        )
     problems += compile_problems(cfg.compile)
     problems += kernel_problems(list(cfg.kernels.enabled), cfg.device.type)
     if cfg.kernels.enabled and cfg.parallel.tp > 1:

@@ -59,6 +59,10 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--min-replicas={args.min_replicas} must be >= 1 (replica groups a quorum needs)")
     if not 0 <= args.port < 65536:
         raise UserError(f"--port={args.port} is not a TCP port (0..65535; 0 picks a free one)")
+    import os
+
+    # torchft's Rust server logs every quorum (each step of the run) at INFO; RUST_LOG=info shows them.
+    os.environ.setdefault("RUST_LOG", "warn")
     from torchft.coordination import LighthouseServer
 
     try:
