@@ -213,7 +213,7 @@ class ReplicaGroups:
                 "fault_tolerance.enabled=true needs a lighthouse: set fault_tolerance.lighthouse=http://HOST:PORT "
                 f"(or ${LIGHTHOUSE_ENV}); `portatrain lighthouse` starts one"
             )
-        self.cfg = cfg
+        self.cfg, self.rank = cfg, rank
         timeout = timedelta(seconds=cfg.timeout_s)
         # The group's own store for torchft's Manager (its manager server's address, the process group's
         # rendezvous per quorum): served by rank 0 on a free port, found by the others via the group.
@@ -290,8 +290,9 @@ class ReplicaGroups:
         """Log this rank's weights digest (equal across groups after recovery), leave the quorum."""
         if model is not None:
             logger.info(
-                "replica group %d: step %d weights sha256 %s",
+                "replica group %d rank %d: step %d weights sha256 %s",
                 self.cfg.replica_id,
+                self.rank,
                 self.manager.current_step(),
                 weights_digest(model),
             )
