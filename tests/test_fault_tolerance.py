@@ -90,7 +90,7 @@ class Group(Trainer):
 main(trainer_cls=Group)
 """
 
-STEPS = 200
+STEPS = 180
 STEP_SECONDS = "0.1"
 
 
