@@ -21,7 +21,10 @@ EXAMPLE = "portatrain lighthouse --port 29510 --min-replicas 1"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="portatrain lighthouse", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="portatrain lighthouse",
+        description="Serve torchft's lighthouse until interrupted; runs name it in fault_tolerance.lighthouse.",
+    )
     p.add_argument(
         "--port",
         type=int,
