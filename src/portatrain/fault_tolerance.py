@@ -242,8 +242,6 @@ class ReplicaGroups:
         # A group resumed from a checkpoint counts from its step; one behind the others is healed.
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         self._participants = 0
-        self.healed = 0
-        """Times this group took a peer's state."""
 
     def start_step(self) -> bool:
         """The quorum for the next step. True when this group was behind and has just loaded a healthy
@@ -252,7 +250,6 @@ class ReplicaGroups:
         self.manager.start_quorum()
         participants = self.manager.num_participants()
         healed = self.manager.current_step() != before
-        self.healed += healed
         if participants != self._participants or healed:
             logger.info(
                 "replica group %d: quorum of %d replica group(s) at step %d%s",
@@ -266,25 +263,25 @@ class ReplicaGroups:
 
     def average_gradients(self, params: Iterable[torch.Tensor]) -> None:
         """Average each gradient (this rank's local shard) over the replica groups of the quorum: one
-        all-reduce of the flattened gradients."""
-        grads = [_local(p.grad) for p in params if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.manager.allreduce(flat).wait()
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        all-reduce per gradient dtype, of the gradients flattened into one buffer (a transient copy
+        of this rank's gradient shards)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            if p.grad is not None:
+                grad = _local(p.grad)
+                by_dtype.setdefault(grad.dtype, []).append(grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.manager.allreduce(flat).wait()
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def should_commit(self) -> bool:
         """Whether every rank of this group, in a quorum of at least ``min_replicas`` groups, finished
         the step (torchft's vote): only then may the optimizer step, the schedule and the counters move."""
         return self.manager.should_commit()
-
-    @property
-    def participants(self) -> int:
-        return self.manager.num_participants()
 
     def close(self, model: torch.nn.Module | None = None) -> None:
         """Log this rank's weights digest (equal across groups after recovery), leave the quorum."""
