@@ -17,7 +17,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "portatrain"
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "config", "dtypes", "redact"),  # leaves: import nothing of portatrain
     ("accelerators",),  # device adapters
-    ("distributed", "parallel", "kernels"),  # process groups; parallel dims, mesh, FSDP/TP; kernel overrides
+    # process groups; torchft's replica groups; parallel dims, mesh, FSDP/TP; kernel overrides
+    ("distributed", "fault_tolerance", "parallel", "kernels"),
     ("models", "data"),  # model families (parallelize.py uses parallel/); the data pipeline
     ("finetune",),  # LoRA adapters and PEFT files; DPO's loss and preference pairs
     # stages the trainer uses; the audit (static scan, runtime audit)

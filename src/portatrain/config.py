@@ -402,6 +402,32 @@ class CheckpointConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """Fault tolerance without restarts (``portatrain.fault_tolerance``, on torchft): the replicate axis
+    becomes ``group_size`` replica groups, each its own job; a failed group is replaced while the others
+    keep training, and the replacement takes a healthy group's state."""
+
+    enabled: bool = False
+    """Run this job as replica group ``replica_id`` of ``group_size``: FSDP2 (``parallel.dp_shard``) inside
+    the group, gradients averaged across the groups through torchft's Manager (a quorum each step, the
+    optimizer stepped only when the step commits). ``parallel.dp_replicate`` must stay 1."""
+    lighthouse: str | None = None
+    """Address of torchft's lighthouse (``http://host:29510``, started by ``portatrain lighthouse``); None
+    reads ``$TORCHFT_LIGHTHOUSE``."""
+    replica_id: int = 0
+    """This job's replica group, 0 .. ``group_size - 1``: it names the group and picks its slice of
+    the global batch."""
+    group_size: int = 1
+    """Replica groups of the run (each reads ``1 / group_size`` of the global batch)."""
+    min_replicas: int = 1
+    """Replica groups a step needs to commit; fewer and the step is retried (1: one survivor trains on)."""
+    timeout_s: float = 60.0
+    """Seconds a cross-group collective, a commit vote or a state transfer may take before the step fails."""
+    quorum_timeout_s: float = 120.0
+    """Seconds to wait for a quorum of replica groups (longer than a step)."""
+
+
+@dataclass
 class ExportConfig:
     """``portatrain export checkpoint=PATH|auto out=DIR``: a checkpoint -> a Hugging Face model directory."""
 
@@ -568,6 +594,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)

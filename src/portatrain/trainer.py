@@ -90,6 +90,15 @@ from portatrain.data.pipeline import build_data
 from portatrain.distributed import destroy_distributed, dist_info_from_env, init_distributed
 from portatrain.dtypes import dtype_from_name
 from portatrain.evaluation.tasks import task_names
+from portatrain.fault_tolerance import (
+    ReplicaGroups,
+    data_slice,
+    load_module_state,
+    load_optimizer_state,
+    module_state,
+    optimizer_state,
+    replica_run_dir,
+)
 from portatrain.finetune import uses_lora
 from portatrain.finetune.lora import apply_lora, init_lora, lora_state
 from portatrain.kernels import apply as apply_kernels
@@ -143,6 +152,7 @@ class Trainer:
     def __init__(self, cfg: Config, accelerator: Accelerator | None = None) -> None:
         self._run_dir_lock: RunDirLock | None = None
         self._data_iter: Any = None  # fit()'s batch iterator, closed by close() (its prefetch thread)
+        self.replica_groups: ReplicaGroups | None = None  # fault_tolerance.enabled: set up last
         try:
             # SIGTERM while building (data, compile, a checkpoint load) stops as Ctrl-C does; from
             # fit() on, PreemptionWatcher saves and stops at a step boundary.
@@ -166,6 +176,7 @@ class Trainer:
         self._setup_optimization()
         self._setup_run_services()
         self._restore()
+        self._setup_replica_groups()
 
     def _setup_distributed(self, accelerator: Accelerator | None) -> None:
         """The device, the process group and the parallel layout (checked against the world size
@@ -184,7 +195,10 @@ class Trainer:
             else dtype_from_name(cfg.trainer.dtype)
         )
         self.parallel_dims.build_mesh(self.accelerator.device_type)
-        self.dp_rank, self.dp_world_size = self.parallel_dims.dp_rank, self.parallel_dims.dp
+        # The ranks that read different rows: this job's, or with fault tolerance every replica group's.
+        self.dp_rank, self.dp_world_size = data_slice(
+            cfg.fault_tolerance, self.parallel_dims.dp_rank, self.parallel_dims.dp
+        )
         # parallel.cp > 1: full-length rows from the loader, cut into this rank's shard on the device.
         dims = self.parallel_dims
         self.context_parallel = ContextParallel.from_mesh(dims.cp_mesh) if dims.cp_enabled else None
@@ -193,7 +207,7 @@ class Trainer:
         """Before anything is built or written: take the run directory (exclusive, and writable), find
         the checkpoint to resume, refuse another run's directory."""
         cfg = self.cfg
-        self.run_dir = Path(cfg.run_dir)
+        self.run_dir = replica_run_dir(cfg.fault_tolerance, Path(cfg.run_dir))  # one per replica group
         self._run_dir_lock = self._lock_run_dir()
         # Every rank sees rank 0's run directory, or all stop here (a first save would hang).
         check_shared_run_dir(self.run_dir)
@@ -241,7 +255,7 @@ class Trainer:
             capacity_factor=cfg.model.capacity_factor,
             aux_loss_scale=1.0 / cfg.trainer.grad_accum,
             reduce_stats=partial(token_all_reduce, parallel_dims=self.parallel_dims)
-            if self.dp_world_size > 1 or self.context_parallel is not None
+            if self.parallel_dims.dp > 1 or self.context_parallel is not None
             else None,
         )
         # Routers balanced by a bias moved after each optimizer step (DeepSeek-V3), if any.
@@ -305,7 +319,7 @@ class Trainer:
             cfg.trainer.on_nonfinite,
             device=self.device,
             all_reduce_sum=self._all_reduce_sum,
-            dp_world_size=self.dp_world_size,
+            dp_world_size=self.parallel_dims.dp,  # the ranks its counts are summed over
             checkpointer=self.checkpointer,
             is_main=self.dist.is_main,
             lr=cfg.optim.lr,
@@ -346,6 +360,47 @@ class Trainer:
         # Secrets (tokens, keys, passwords) are redacted in every config written to disk.
         if self.dist.is_main:
             (self.run_dir / "config.yaml").write_text(redacted_yaml(self.cfg))
+
+    def _setup_replica_groups(self) -> None:
+        """``fault_tolerance.enabled``: join the replica groups (``portatrain.fault_tolerance``), at the
+        step restored above; else ``self.replica_groups`` is None."""
+        if not self.cfg.fault_tolerance.enabled:
+            return
+        self.replica_groups = ReplicaGroups(
+            self.cfg.fault_tolerance,
+            device_type=self.accelerator.device_type,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            state_dict=self._replica_state,
+            load_state_dict=self._load_replica_state,
+            broadcast=broadcast_from_main,
+            step=self.step,
+        )
+
+    def _replica_state(self) -> dict[str, Any]:
+        """What a healthy replica group sends a recovering one: this rank's shard of everything a
+        resume restores (model, optimizer, LR schedule, counters, data position, RNG)."""
+        return {
+            "model": module_state(self.model),
+            "optimizer": optimizer_state(self.optimizer),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "data": self.train_loader.state_dict(),
+            "rng": self.accelerator.get_rng_state(),
+        }
+
+    def _load_replica_state(self, state: dict[str, Any]) -> None:
+        """Apply a healthy group's :meth:`_replica_state` (live recovery); ``fit`` then restarts its
+        data iterator at the loaded position."""
+        load_module_state(self.model, state["model"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        load_dataloader_state(
+            self.train_loader, state["data"], Path(f"<a healthy replica group, step {self.step}>")
+        )
+        self.accelerator.set_rng_state(state["rng"])
 
     @property
     def nonfinite_skipped(self) -> int:
@@ -418,7 +473,14 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for batch in batches:
             loss_sum += self.forward_backward(self._to_device(batch), num_tokens)
+        if self.replica_groups is not None:  # fault tolerance: averaged over the replica groups too
+            self.replica_groups.average_gradients(self.model.parameters())
         grad_norm = self._clip_gradients()
+        if self.replica_groups is not None and not self.replica_groups.should_commit():
+            # A replica group failed during the step, or too few took part: nothing is applied, and
+            # fit() redoes the step with the next batches.
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"committed": False}
         # The gradient norm is global (all ranks agree on it); the loss is this rank's.
         grad_ok = torch.isfinite(grad_norm)  # the same on every rank: skipping stays in lockstep
         self.nonfinite.optimizer_step(self.optimizer, grad_ok)
@@ -591,11 +653,20 @@ class Trainer:
             if self.preempted:  # stopped between warm-up shapes: nothing trained, nothing to save
                 logger.warning("stopped during compile warm-up at step %d on request", self.step)
         while self.step < cfg.steps and not self.preempted:
+            if self.replica_groups is not None and self.replica_groups.start_step():
+                # Healed from a healthy replica group: its step, data position and RNG are ours now.
+                self._close_data_iter()
+                data_iter = self._data_iter = iter(self.train_loader)
+                bar.update(self.step - bar.n)
+                if self.step >= cfg.steps:
+                    break
             self.runtime_audit.step_begin(self.step + 1)
             batches = [next(data_iter) for _ in range(cfg.grad_accum)]
             with self.compile_monitor.watch(batches):
                 metrics = self.train_step(batches)
             self.runtime_audit.step_end()  # audit.nonfinite: the ranks agree on a finding
+            if metrics.get("committed") is False:  # fault tolerance: the step is redone
+                continue
             self.step += 1
             metrics.setdefault("flops", model_flops(batches, self.flops_per_token))  # host-side count
             self.window.add(metrics["tokens"], metrics["flops"])
@@ -803,6 +874,9 @@ class Trainer:
             logger.info("resumed from %s at step %d", path, self.step)
 
     def close(self) -> None:
+        if self.replica_groups is not None:
+            self.replica_groups.close(self.model)  # logs the weights digest, leaves the quorum
+            self.replica_groups = None
         self.checkpointer.close()
         self.runtime_audit.close()
         self.compile_monitor.close()

@@ -20,6 +20,7 @@ from portatrain.dtypes import dtype_problem
 from portatrain.errors import ConfigError
 from portatrain.evaluation.tasks import eval_problems
 from portatrain.export import export_problems
+from portatrain.fault_tolerance import fault_tolerance_problems
 from portatrain.finetune import finetune_problems
 from portatrain.kernels import config_problems as kernel_problems
 from portatrain.losses import loss_problems
@@ -53,6 +54,13 @@ def config_problems(cfg: Config) -> list[str]:
     problems += trainer_problems(cfg.trainer)
     problems += finetune_problems(cfg.finetune, cfg.model, cfg.data, cfg.compile)
     problems += checkpoint_problems(cfg.checkpoint)
+    problems += fault_tolerance_problems(cfg.fault_tolerance, cfg.parallel, cfg.device.type)
+    if cfg.fault_tolerance.enabled and cfg.finetune.method == "dpo":
+        # DPO's train_step (portatrain.dpo_trainer) has no replica-group all-reduce or commit vote.
+        problems.append(
+            "fault_tolerance.enabled=true with finetune.method=dpo: DPO's step does not average gradients "
+            "across replica groups; set fault_tolerance.enabled=false (or use parallel.dp_shard for data parallel)"
+        )
     problems += compile_problems(cfg.compile)
     problems += kernel_problems(list(cfg.kernels.enabled), cfg.device.type)
     if cfg.kernels.enabled and cfg.parallel.tp > 1:

@@ -53,6 +53,7 @@ COMMANDS: dict[str, str] = {
     "audit": "portatrain.commands.audit",  # static scan of code for what breaks off NVIDIA
     "report": "portatrain.commands.report",  # the portability checklist, filled from evidence
     "torchrun": "portatrain.commands.torchrun",  # torchrun, exit 0 after a stop its workers saved
+    "lighthouse": "portatrain.commands.lighthouse",  # torchft's lighthouse for replica groups
 }
 """Command name -> module. ``dry_run=true`` runs ``plan`` whatever the command."""
 

@@ -9,7 +9,7 @@ from portatrain.commands import CommandContext
 from portatrain.config import Config
 from portatrain.errors import UserError
 
-SECTIONS = ("trainer", "data", "optim", "checkpoint")
+SECTIONS = ("trainer", "data", "optim", "checkpoint", "fault_tolerance")
 EXAMPLE = "portatrain trainer.steps=50 optim.lr=1e-3 run_dir=runs/debug/demo"
 
 

@@ -43,6 +43,14 @@ trn2.48xlarge at the default LNC=2 (4 per Trainium2 chip); the pod requests chip
 ``nvidia.com/gpu`` per process; a multi-node GPU job must say whether it has EFA
 (``parallel.launch.efa``).
 
+Fault tolerance (``fault_tolerance.enabled=true``, ``portatrain.fault_tolerance``; GPU ``pytorchjob``
+only, torchft's process groups being gloo and NCCL): one PyTorchJob per replica group
+(``<name>-g<id>``, ``fault_tolerance.replica_id=<id>``), each restarted alone by the training operator
+(``backoffLimit``) while the others train on, plus (unless ``fault_tolerance.lighthouse`` names one)
+torchft's lighthouse as a one-pod Deployment behind a
+Service (``<name>-lighthouse:29510``, ``portatrain lighthouse``) that every group's command names. All
+groups share the run directory, each writing its ``replica_<id>`` inside.
+
 Tested against the published CRD schemas (JobSet v0.12.0 and main, Kubeflow PyTorchJob v1.9.0) in
 ``tests/test_kubernetes.py``; not run on a real cluster here.
 """
@@ -176,6 +184,11 @@ def problems(cfg: Any) -> list[str]:
         found.append(f"parallel.launch.max_restarts={restarts!r} must be a whole number >= 0")
     if launch.scheduler == "pytorchjob":
         found += _pytorchjob_problems(cfg)
+    if cfg.fault_tolerance.enabled and launch.scheduler != "pytorchjob":
+        found.append(
+            f"fault_tolerance.enabled=true renders one PyTorchJob per replica group (GPU nodes), not a "
+            f"{launch.scheduler}; set parallel.launch.scheduler=pytorchjob device=cuda"
+        )
     if launch.scheduler == "jobset":
         if cfg.device.type not in ("tpu", "auto"):
             found.append(
@@ -470,12 +483,91 @@ def _dump(manifest: dict[str, Any], cfg: Any, kind: str) -> str:
     return header + yaml.dump(manifest, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
 
 
+def group_name(name: str, replica_id: int) -> str:
+    """The PyTorchJob of replica group ``replica_id`` (fault tolerance)."""
+    return f"{name}-g{replica_id}"
+
+
+def lighthouse_name(name: str) -> str:
+    return f"{name}-lighthouse"
+
+
+def render_replica_groups(cfg: Any, overrides: Sequence[str], name: str) -> str:
+    """Fault tolerance: torchft's lighthouse (a Deployment and its Service) and one PyTorchJob per
+    replica group, each its own restartable unit."""
+    from portatrain.fault_tolerance import LIGHTHOUSE_PORT
+
+    launch, ft = cfg.parallel.launch, cfg.fault_tolerance
+    lighthouse = lighthouse_name(name)
+    labels = {"app.kubernetes.io/name": "portatrain", "portatrain/recipe": str(cfg.recipe)}
+    selector = {"portatrain/lighthouse": lighthouse}
+    lighthouse_documents = [
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": lighthouse, "namespace": launch.namespace, "labels": labels},
+            "spec": {"selector": selector, "ports": [{"name": "lighthouse", "port": LIGHTHOUSE_PORT}]},
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": lighthouse, "namespace": launch.namespace, "labels": labels},
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": selector},
+                "template": {
+                    "metadata": {"labels": {**labels, **selector}},
+                    "spec": {
+                        "containers": [
+                            {
+                                "name": "lighthouse",
+                                "image": launch.image,
+                                "command": [
+                                    "bash",
+                                    "-c",
+                                    " && ".join(
+                                        [
+                                            *launch.setup,
+                                            f"exec python -m portatrain lighthouse --port={LIGHTHOUSE_PORT} "
+                                            f"--min-replicas={ft.min_replicas}",
+                                        ]
+                                    ),
+                                ],
+                                "ports": [{"containerPort": LIGHTHOUSE_PORT, "name": "lighthouse"}],
+                                "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
+                            }
+                        ]
+                    },
+                },
+            },
+        },
+    ]
+    # The user's own lighthouse (fault_tolerance.lighthouse) replaces the rendered one.
+    documents = [] if ft.lighthouse else lighthouse_documents
+    address = [] if ft.lighthouse else [f"fault_tolerance.lighthouse=http://{lighthouse}:{LIGHTHOUSE_PORT}"]
+    overrides = [o for o in overrides if not o.lstrip("+~").startswith("fault_tolerance.replica_id=")]
+    for replica_id in range(ft.group_size):
+        group = [*overrides, f"fault_tolerance.replica_id={replica_id}", *address]
+        documents.append(yaml.safe_load(render_pytorchjob(cfg, group, group_name(name, replica_id))))
+    header = (
+        f"# portatrain fault-tolerant job {name}: {describe_job(cfg)}, as {ft.group_size} replica groups,\n"
+        f"# one PyTorchJob each ({group_name(name, 0)} ...), restarted alone while the others train on, and\n"
+        f"# torchft's lighthouse ({lighthouse}). Run directory: {run_dir_for(cfg, name)} on volume claim\n"
+        f"# {launch.volume_claim}. Rendered by `portatrain render`; submit with `kubectl create -f FILE`.\n"
+    )
+    return header + "---\n".join(
+        yaml.dump(d, Dumper=_Dumper, sort_keys=False, default_flow_style=False) for d in documents
+    )
+
+
 def render(cfg: Any, overrides: Sequence[str]) -> RenderedJob:
     """The JobSet or PyTorchJob for ``cfg`` (``parallel.launch.scheduler``), with a fresh name."""
     name = unique_job_name(cfg.parallel.launch.job_name or f"portatrain-{cfg.recipe}")
     run_dir = run_dir_for(cfg, name)
     args = job_overrides(overrides, run_dir=run_dir)
-    if cfg.parallel.launch.scheduler == "jobset":
+    if cfg.fault_tolerance.enabled:
+        text = render_replica_groups(cfg, args, name)
+    elif cfg.parallel.launch.scheduler == "jobset":
         text = render_jobset(cfg, args, name)
     else:
         text = render_pytorchjob(cfg, args, name)
@@ -485,6 +577,8 @@ def render(cfg: Any, overrides: Sequence[str]) -> RenderedJob:
 def follow_command(cfg: Any, name: str) -> str:
     """``kubectl logs -f`` of rank 0's pod (pod index 0: the JobSet's first pod, the PyTorchJob master)."""
     ns = shlex.quote(cfg.parallel.launch.namespace)
+    if cfg.fault_tolerance.enabled:  # replica group 0's master
+        name = group_name(name, 0)
     if cfg.parallel.launch.scheduler == "jobset":
         selector = f"jobset.sigs.k8s.io/jobset-name={name},batch.kubernetes.io/job-completion-index=0"
         return f"kubectl logs -f -n {ns} -l {selector}"

@@ -29,6 +29,17 @@ checkpoint. Two ways a run is interrupted:
 A crash is not requeued: only the time-limit warning makes the script requeue, and SLURM itself
 requeues only on preemption or node failure.
 
+**Fault tolerance** (``fault_tolerance.enabled=true``, ``portatrain.fault_tolerance``): the rendered
+script is a small job that serves torchft's lighthouse (``portatrain lighthouse``) and submits the
+replica groups as a job array (``sbatch --wait --array=0-<group_size - 1>``): each group is an array
+task of ``nodes`` hosts with an allocation of its own, its own torchrun rendezvous
+(``<array job id>_<task id>``) and ``fault_tolerance.replica_id=$SLURM_ARRAY_TASK_ID``. A group is a
+separately restartable unit: its torchrun restarts its workers (``--max-restarts``), SLURM requeues
+its task alone after a preemption, node failure or time-limit warning, and meanwhile the other groups
+train on; the replacement heals from a healthy group. All groups write under one run directory
+(``runs/<recipe>/<lighthouse job id>/replica_<id>``). With ``fault_tolerance.lighthouse`` set, the
+script is the array alone and uses that lighthouse.
+
 Tested against a real one-node (and two-node) SLURM 22.05 cluster in ``tests/test_slurm.py``.
 """
 
@@ -52,22 +63,84 @@ def log_file(name: str) -> str:
 
 
 def render_sbatch(cfg: Any, overrides: Sequence[str], *, workdir: str | None = None) -> str:
-    """The sbatch script running ``portatrain <overrides>`` on ``parallel.launch.nodes`` hosts."""
+    """The sbatch script running ``portatrain <overrides>`` on ``parallel.launch.nodes`` hosts (with
+    fault tolerance: the lighthouse job that submits the replica groups, see the module docstring)."""
+    workdir = workdir or os.getcwd()
+    ft = cfg.fault_tolerance
+    if not ft.enabled:
+        return _render_job(cfg, overrides, workdir=workdir)
+    groups = _render_job(cfg, overrides, workdir=workdir, replica_groups=ft.group_size)
+    if ft.lighthouse:  # the user's own lighthouse: the replica groups' array is the whole job
+        return groups
+    return _render_lighthouse_job(cfg, groups, workdir=workdir)
+
+
+def _render_lighthouse_job(cfg: Any, groups: str, *, workdir: str) -> str:
+    """A one-node job serving torchft's lighthouse while the replica groups' array runs."""
+    from portatrain.fault_tolerance import LIGHTHOUSE_PORT
+
+    launch, ft = cfg.parallel.launch, cfg.fault_tolerance
+    name = job_name(cfg)
+    directives = [
+        f"--job-name={name}",
+        "--nodes=1",
+        "--ntasks=1",
+        "--cpus-per-task=2",
+        f"--chdir={workdir}",
+        f"--output={log_file(name)}",
+        "--open-mode=append",
+    ]
+    for key in ("partition", "account", "time"):
+        if getattr(launch, key):
+            directives.append(f"--{key}={getattr(launch, key)}")
+    lines = [
+        "#!/bin/bash",
+        f"# portatrain fault-tolerant job: {describe_job(cfg)}, as {ft.group_size} replica groups.",
+        "# Rendered by `portatrain render`; submit with `sbatch FILE`. This job serves torchft's lighthouse and",
+        f"# submits the replica groups as a job array of {ft.group_size} task(s), each its own allocation:",
+        "# a group that fails is restarted (torchrun) or requeued (SLURM) alone while the others train on,",
+        "# and rejoins by live recovery from a healthy group.",
+        *(f"#SBATCH {d}" for d in directives),
+        "",
+        "set -euo pipefail",
+        f"cd {shlex.quote(workdir)}",
+        *launch.setup,
+        "",
+        "# Every replica group writes under runs/<recipe>/<this job's id>/replica_<id>.",
+        'export PORTATRAIN_RUN_ID="${PORTATRAIN_RUN_ID:-$SLURM_JOB_ID}"',
+        f"python -m portatrain lighthouse --port={LIGHTHOUSE_PORT} --min-replicas={ft.min_replicas} &",
+        "lighthouse=$!",
+        "trap 'kill \"$lighthouse\" 2>/dev/null || true' EXIT",
+        f'export TORCHFT_LIGHTHOUSE="http://$(hostname):{LIGHTHOUSE_PORT}"',
+        "",
+        "# The replica groups (the quoted here-document is their script, expanded by each task).",
+        "sbatch --wait --export=ALL <<'PORTATRAIN_REPLICA_GROUPS'",
+        groups.rstrip("\n"),
+        "PORTATRAIN_REPLICA_GROUPS",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _render_job(
+    cfg: Any, overrides: Sequence[str], *, workdir: str, replica_groups: int | None = None
+) -> str:
+    """The training job; with ``replica_groups``, an array of that many replica groups."""
     launch = cfg.parallel.launch
     name = job_name(cfg)
     grace = int(launch.save_grace)
-    workdir = workdir or os.getcwd()
     directives = [
-        f"--job-name={name}",
+        f"--job-name={name}" if replica_groups is None else f"--job-name={name}-group",
         f"--nodes={launch.nodes}",
         "--ntasks-per-node=1",  # one torchrun agent per node; it starts the workers
         "--exclusive",
         f"--chdir={workdir}",
-        f"--output={log_file(name)}",
+        f"--output={log_file(name) if replica_groups is None else f'{name}-group-%A_%a.out'}",
         "--open-mode=append",  # a requeued job continues its log instead of truncating it
         "--requeue",
         f"--signal=B:USR1@{grace}",  # to this script, not the step: see the comment above the trap
     ]
+    if replica_groups is not None:  # one array task per replica group, each requeued alone
+        directives.append(f"--array=0-{replica_groups - 1}")
     if cfg.device.type == "cuda":
         directives.append(f"--gpus-per-node={launch.procs_per_node}")
     for key in ("partition", "account", "time"):
@@ -112,15 +185,29 @@ def render_sbatch(cfg: Any, overrides: Sequence[str], *, workdir: str | None = N
         "head_node=${head_node:-${nodes[0]}}",
         "",
     ]
+    if replica_groups is not None:
+        lines += [
+            "# Every replica group writes under the same run directory (its own replica_<id> inside).",
+            'export PORTATRAIN_RUN_ID="${PORTATRAIN_RUN_ID:-$SLURM_ARRAY_JOB_ID}"',
+            "",
+        ]
     rdzv = torchrun_args(
         nnodes='"$SLURM_JOB_NUM_NODES"',
         nproc_per_node=launch.procs_per_node,
         rdzv_endpoint=f'"$head_node:{launch.rdzv_port}"',
+        # A replica group: a rendezvous of its own (the task's job id), in the array's run directory.
         rdzv_id='"$SLURM_JOB_ID"',
     )
     # torchrun gives its workers this long to save after a SIGTERM before it kills them (default 30 s).
     rdzv.append(f"--shutdown-timeout={grace}")
-    command = [*rdzv, " ".join(["-m portatrain", *(shlex.quote(o) for o in overrides)])]
+    if replica_groups is not None:  # each array task is its own replica group
+        overrides = [o for o in overrides if not o.lstrip("+~").startswith("fault_tolerance.replica_id=")]
+    arguments = ["-m portatrain", *(shlex.quote(o) for o in overrides)]
+    if replica_groups is not None:
+        # A replica group's failed worker restarts the group alone: its workers heal from a healthy group.
+        rdzv.append(f"--max-restarts={launch.max_restarts}")
+        arguments.append('fault_tolerance.replica_id="$SLURM_ARRAY_TASK_ID"')
+    command = [*rdzv, " ".join(arguments)]
     lines.append("# In the background: bash runs a trap only once the foreground command has returned.")
     lines.append("srun --kill-on-bad-exit=1 torchrun \\")
     lines += [f"    {arg} \\" for arg in command[:-1]]

@@ -1,0 +1,294 @@
+"""Fault tolerance without restarts (``portatrain.fault_tolerance``, on torchft).
+
+The slow test runs two replica groups of one process each on CPU/gloo under ``portatrain lighthouse``;
+group 1 SIGKILLs itself at a random step, twice, and is started again each time: group 0 keeps
+stepping alone (no restart), the replacement heals from it (live recovery) and both end with
+bitwise-identical weights. The fast tests check the config's validation and the data slices.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from portatrain.config import FaultToleranceConfig, ParallelConfig
+from portatrain.fault_tolerance import data_slice, fault_tolerance_problems, replica_run_dir
+from tests.helpers import ROOT, TINY, compose_config, run_cli, train_records
+
+
+def _problems(parallel: ParallelConfig | None = None, device: str = "cpu", **ft) -> list[str]:
+    return fault_tolerance_problems(
+        FaultToleranceConfig(enabled=True, **ft), parallel or ParallelConfig(), device
+    )
+
+
+def test_fault_tolerance_config_is_validated_with_the_fix() -> None:
+    assert (
+        fault_tolerance_problems(FaultToleranceConfig(replica_id=7), ParallelConfig(dp_replicate=2), "tpu")
+        == []
+    )
+    assert _problems(group_size=2, replica_id=1, min_replicas=2) == []
+    (problem,) = _problems(group_size=2, replica_id=2)
+    assert "fault_tolerance.replica_id=2 must be in 0..1" in problem
+    (problem,) = _problems(group_size=2, min_replicas=3)
+    assert "fault_tolerance.min_replicas=3" in problem
+    (problem,) = _problems(group_size=2, parallel=ParallelConfig(dp_replicate=2))
+    assert "set parallel.dp_replicate=1 and fault_tolerance.group_size=2" in problem
+    (problem,) = _problems(group_size=2, device="tpu")
+    assert "device.type=tpu" in problem and "device=cpu" in problem
+    assert len(_problems(group_size=0, timeout_s=0, parallel=ParallelConfig(pp=2))) == 3
+
+
+def test_a_bad_fault_tolerance_value_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    out = run_cli(
+        [
+            "fault_tolerance.enabled=true",
+            "fault_tolerance.group_size=2",
+            "fault_tolerance.replica_id=5",
+            *TINY,
+        ],
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "fault_tolerance.replica_id=5 must be in 0..1" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_each_replica_group_reads_its_own_slice_of_the_global_batch() -> None:
+    ft = FaultToleranceConfig(enabled=True, group_size=3, replica_id=2)
+    # dp_shard=2 ranks inside each of 3 groups: 6 slices, group 2 holds the last two.
+    assert [data_slice(ft, r, 2) for r in range(2)] == [(4, 6), (5, 6)]
+    assert data_slice(FaultToleranceConfig(), 1, 2) == (1, 2)  # disabled: the job's own ranks
+    assert replica_run_dir(ft, Path("runs/x")) == Path("runs/x/replica_2")
+    assert compose_config(["fault_tolerance.enabled=true"]).fault_tolerance.group_size == 1
+
+
+KILLER = """
+import os, signal, time
+from portatrain.cli import main
+from portatrain.trainer import Trainer
+
+class Group(Trainer):
+    first_step = None
+
+    def on_step_end(self, step, metrics):
+        # KILL_AFTER=k: SIGKILL after this process's k-th step (a replacement starts at the step it healed at).
+        self.first_step = self.first_step or step
+        if step == self.first_step + int(os.environ.get("KILL_AFTER", "0")) - 1 > 0 and "KILL_AFTER" in os.environ:
+            os.kill(os.getpid(), signal.SIGKILL)  # no goodbye: the peer finds out mid-step
+        time.sleep(float(os.environ["STEP_SECONDS"]))  # the compute of a real step
+
+main(trainer_cls=Group)
+"""
+
+STEPS = 180
+STEP_SECONDS = "0.1"
+
+
+@pytest.mark.slow
+def test_a_killed_replica_group_rejoins_while_the_other_trains_on(tmp_path: Path) -> None:
+    script = tmp_path / "group.py"
+    script.write_text(textwrap.dedent(KILLER))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    for key in ("WORLD_SIZE", "RANK", "PORTATRAIN_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    lighthouse = subprocess.Popen(
+        [sys.executable, "-m", "portatrain", "lighthouse", "--port", "0", "--heartbeat-timeout-ms", "1000"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    procs: list[subprocess.Popen] = [lighthouse]
+    try:
+        address = re.search(r"serving at (\S+)", lighthouse.stdout.readline()).group(1)
+        run = [
+            *TINY,
+            f"trainer.steps={STEPS}",
+            "trainer.progress=true",
+            "checkpoint.enabled=false",
+            "checkpoint.resume=auto",  # a replacement continues its group's run directory
+            "fault_tolerance.enabled=true",
+            "fault_tolerance.group_size=2",
+            f"fault_tolerance.lighthouse={address}",
+            "fault_tolerance.timeout_s=10",
+            f"run_dir={tmp_path / 'run'}",
+        ]
+
+        def start(group: int, kill_after: int | None = None) -> subprocess.Popen:
+            kill = {"KILL_AFTER": str(kill_after)} if kill_after else {}
+            proc = subprocess.Popen(
+                [sys.executable, str(script), *run, f"fault_tolerance.replica_id={group}"],
+                env={**env, **kill, "STEP_SECONDS": STEP_SECONDS},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=tmp_path,
+            )
+            procs.append(proc)
+            return proc
+
+        # Group 1 dies at a random step, is replaced, the replacement dies a random number of steps
+        # after it healed, and its replacement trains to the end.
+        rng = random.Random()
+        survivor, doomed = start(0), start(1, kill_after=rng.randint(3, 12))
+        logs = []
+        for kill_after in (rng.randint(3, 10), None):
+            logs.append(doomed.communicate(timeout=120)[0])
+            assert doomed.returncode == -9, logs[-1][-3000:]
+            doomed = start(1, kill_after)
+        logs.append(doomed.communicate(timeout=180)[0])
+        survivor_log = survivor.communicate(timeout=60)[0]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert survivor.returncode == 0 and doomed.returncode == 0, survivor_log[-3000:] + logs[-1][-3000:]
+
+    # Group 0 never restarted: it trained alone through each outage, its step advancing.
+    quorums = [
+        (int(n), int(s))
+        for n, s in re.findall(r"quorum of (\d) replica group\(s\) at step (\d+)", survivor_log)
+    ]
+    outages = [step for n, step in quorums if n == 1 and step > 0]  # (step 0: group 1 still starting)
+    assert len(outages) >= 2, quorums
+    stepped = [int(s) for s in re.findall(rf"step (\d+)/{STEPS}", survivor_log)]
+    # Every step once, no restart (a group that starts after the other heals at once: it may begin later).
+    assert stepped == list(range(stepped[0], STEPS + 1)) and stepped[0] < outages[0], (stepped[:20], outages)
+    # Each replacement healed from group 0 at a later step than the group it replaced died at.
+    died = [int(re.findall(rf"step (\d+)/{STEPS}", log)[-1]) for log in logs[:2]]
+    healed = [int(s) for log in logs[1:] for s in re.findall(r"at step (\d+) \(healed", log)]
+    assert len(healed) == 2 and died[0] < healed[0] and died[1] < healed[1], (died, healed, logs[1][-2000:])
+    # Bitwise-identical weights after recovery.
+    digests = [
+        re.search(r"step (\d+) weights sha256 (\w+)", log).groups() for log in (survivor_log, logs[-1])
+    ]
+    assert digests[0] == digests[1] == (str(STEPS), digests[0][1]), digests
+    # Sane losses: finite, falling.
+    records = train_records(tmp_path / "run" / "replica_0")
+    assert all(math.isfinite(r["loss"]) for r in records)
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5, (records[0], records[-1])
+
+
+# -- rendered jobs: each replica group a separately restartable unit, plus the lighthouse --------------
+FT_JOB = ["fault_tolerance.enabled=true", "fault_tolerance.group_size=3", "fault_tolerance.min_replicas=2"]
+
+
+def _render(overrides: list[str]) -> str:
+    from portatrain.launch import render_job
+
+    return render_job(compose_config(overrides), overrides).text
+
+
+def test_slurm_runs_the_lighthouse_and_each_replica_group_as_an_array_task(tmp_path: Path) -> None:
+    overrides = ["device=cuda", "parallel.launch.nodes=2", "parallel.launch.procs_per_node=8", *FT_JOB]
+    script = _render(overrides)
+    (tmp_path / "job.sbatch").write_text(script)
+    assert subprocess.run(["bash", "-n", tmp_path / "job.sbatch"], capture_output=True).returncode == 0
+    outer, groups = script.split("<<'PORTATRAIN_REPLICA_GROUPS'\n")
+    groups = groups.removesuffix("PORTATRAIN_REPLICA_GROUPS\n")
+    (tmp_path / "groups.sbatch").write_text(groups)
+    assert subprocess.run(["bash", "-n", tmp_path / "groups.sbatch"], capture_output=True).returncode == 0
+    # The outer job: one small node serving the lighthouse, waiting for the array it submits.
+    assert "#SBATCH --nodes=1\n" in outer and "#SBATCH --array" not in outer and "srun" not in outer
+    assert "python -m portatrain lighthouse --port=29510 --min-replicas=2 &\n" in outer
+    assert 'export TORCHFT_LIGHTHOUSE="http://$(hostname):29510"\n' in outer
+    assert 'export PORTATRAIN_RUN_ID="${PORTATRAIN_RUN_ID:-$SLURM_JOB_ID}"\n' in outer
+    assert outer.rstrip().endswith("sbatch --wait --export=ALL")
+    # The array: one task per group, each its own allocation, rendezvous and restarts.
+    for line in (
+        "--array=0-2",
+        "--nodes=2",
+        "--gpus-per-node=8",
+        "--requeue",
+        "--output=portatrain-debug-group-%A_%a.out",
+    ):
+        assert f"#SBATCH {line}\n" in groups
+    assert '    --rdzv-id="$SLURM_JOB_ID" \\\n' in groups and "    --max-restarts=3 \\\n" in groups
+    assert groups.count("fault_tolerance.replica_id=") == 1
+    assert (
+        'fault_tolerance.group_size=3 fault_tolerance.min_replicas=2 checkpoint.resume=auto fault_tolerance.replica_id="$SLURM_ARRAY_TASK_ID" &\n'
+        in groups
+    )
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in groups  # the task's own id: requeued alone
+    # A lighthouse of the user's own: the array is the whole job.
+    own = _render([*overrides, "fault_tolerance.lighthouse=http://lh:29510"])
+    assert (
+        own.startswith("#!/bin/bash")
+        and "portatrain lighthouse" not in own
+        and "#SBATCH --array=0-2\n" in own
+    )
+
+
+def test_kubernetes_runs_a_pytorchjob_per_replica_group_and_a_lighthouse_service() -> None:
+    import yaml
+
+    from tests.test_kubernetes import crd_schema, validate
+
+    overrides = [
+        "device=cuda",
+        "parallel.launch.scheduler=pytorchjob",
+        "parallel.launch.nodes=2",
+        "parallel.launch.procs_per_node=8",
+        "parallel.launch.efa=0",
+        "parallel.launch.image=registry/portatrain:1",
+        "parallel.launch.volume_claim=runs",
+        *FT_JOB,
+        "fault_tolerance.replica_id=1",  # ignored: each group gets its own
+    ]
+    docs = list(yaml.safe_load_all(_render(overrides)))
+    assert [d["kind"] for d in docs] == ["Service", "Deployment", "PyTorchJob", "PyTorchJob", "PyTorchJob"]
+    service, deployment, *groups = docs
+    address = f"http://{service['metadata']['name']}:29510"
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()  # the Service reaches the pod
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["command"][-1] == "exec python -m portatrain lighthouse --port=29510 --min-replicas=2"
+    run_dirs = set()
+    for replica_id, job in enumerate(groups):
+        assert validate(job, crd_schema("pytorchjob-v1.9.0.yaml.gz", "v1")) == []
+        assert job["metadata"]["name"].endswith(f"-g{replica_id}")
+        assert job["spec"]["runPolicy"]["backoffLimit"] == 3  # restarted alone
+        assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+        command = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0][
+            "command"
+        ][-1]
+        assert re.findall(r"fault_tolerance.replica_id=(\d)", command) == [str(replica_id)]
+        assert f"fault_tolerance.lighthouse={address}" in command
+        assert f"--rdzv-id={job['metadata']['name']} " in command
+        run_dirs.add(re.search(r"run_dir=(\S+)", command).group(1))
+    assert len(run_dirs) == 1  # one run directory, a replica_<id> inside per group
+
+
+def test_fault_tolerance_renders_only_pytorchjobs_on_kubernetes() -> None:
+    from portatrain.errors import ConfigError
+    from portatrain.launch import render_job
+
+    cfg = compose_config(
+        [
+            "device=cpu",
+            "parallel.launch.scheduler=jobset",
+            "parallel.launch.image=i",
+            "parallel.launch.volume_claim=v",
+            *FT_JOB,
+        ]
+    )
+    with pytest.raises(ConfigError, match="set parallel.launch.scheduler=pytorchjob device=cuda"):
+        render_job(cfg, [])
+
+
+def test_dpo_with_fault_tolerance_is_refused() -> None:
+    from portatrain.validate import config_problems
+
+    problems = config_problems(compose_config(["fault_tolerance.enabled=true", "finetune.method=dpo"]))
+    assert any(p.startswith("fault_tolerance.enabled=true with finetune.method=dpo") for p in problems)
