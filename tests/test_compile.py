@@ -59,6 +59,12 @@ def _losses(records: list[dict]) -> list[float]:
     return [r["loss"] for r in records if "loss" in r]
 
 
+@pytest.fixture(scope="module")
+def eager_bucket_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """Eager losses over buckets 32 and 64: what every compiled variant below must reproduce."""
+    return _losses(_fit([*BUCKETS, "data.buckets=[32,64]"], tmp_path_factory.mktemp("eager")))
+
+
 def test_compile_options_follow_the_adapter_unless_overridden() -> None:
     cfg = OmegaConf.create({"backend": None, "dynamic": None})
     assert compile_options(cfg, CPUAccelerator()) == ("inductor", None)
@@ -178,14 +184,12 @@ def test_warmup_needs_compile_enabled() -> None:
 
 
 @pytest.mark.slow
-def test_inductor_blocks_train_like_eager(tmp_path: Path) -> None:
+def test_inductor_blocks_train_like_eager(tmp_path: Path, eager_bucket_losses: list[float]) -> None:
     """The CPU default backend: same losses as eager over a few steps, one graph per bucket."""
-    overrides = BUCKETS + ["data.buckets=[32,64]"]
-    compiled = _fit(overrides + WARMUP, tmp_path / "inductor")
+    compiled = _fit([*BUCKETS, "data.buckets=[32,64]", *WARMUP], tmp_path / "inductor")
     assert [r["graphs"] for r in compiled[0]["compile_warmup"]] == [1, 1]
     assert compiled[-1]["compile_recompiles"] == 0
-    eager = _fit(overrides, tmp_path / "eager")
-    assert _losses(compiled) == pytest.approx(_losses(eager), abs=1e-5)
+    assert _losses(compiled) == pytest.approx(eager_bucket_losses, abs=1e-5)
 
 
 @pytest.mark.parametrize("granularity", ["model", "nested"])
@@ -228,14 +232,13 @@ def test_whole_model_granularities_are_refused_for_a_sharded_model_and_unknown_v
 @pytest.mark.slow
 @pytest.mark.parametrize("granularity", ["model", "nested"])
 def test_whole_model_compile_trains_like_eager_with_one_graph_per_bucket(
-    tmp_path: Path, granularity: str
+    tmp_path: Path, granularity: str, eager_bucket_losses: list[float]
 ) -> None:
     """``compile.granularity=model|nested`` (the model one graph): the losses of eager, one graph per
     bucket at warm-up, no recompilation after it. For ``nested`` this is also the check on torch's
     reused regions: their wrong gradients (``scripts/check_nested_compile.py``) would show here."""
-    overrides = BUCKETS + ["data.buckets=[32,64]"]
-    compiled = _fit(overrides + WARMUP + [f"compile.granularity={granularity}"], tmp_path / granularity)
+    overrides = [*BUCKETS, "data.buckets=[32,64]", *WARMUP, f"compile.granularity={granularity}"]
+    compiled = _fit(overrides, tmp_path / granularity)
     assert [r["graphs"] for r in compiled[0]["compile_warmup"]] == [1, 1]
     assert compiled[-1]["compile_recompiles"] == 0
-    eager = _fit(overrides, tmp_path / "eager")
-    assert _losses(compiled) == pytest.approx(_losses(eager), abs=1e-5)
+    assert _losses(compiled) == pytest.approx(eager_bucket_losses, abs=1e-5)

@@ -27,7 +27,8 @@ from portatrain.errors import ConfigError
 from portatrain.models import get_spec
 from portatrain.models.common.moe import MoE
 from portatrain.parallel.parallel_dims import ParallelDims, layout_problems
-from tests.helpers import TINY, compose_config, fit, run_cli, torchrun, train_records
+from tests.helpers import TINY, compose_config, fit, torchrun, train_records
+from tests.test_command_errors import run
 
 MOE = [*TINY, "model=qwen3_moe_debug"]  # 8 experts, top-2; TINY: 4 steps of 4 rows of 64 tokens
 STEPS = 4
@@ -72,24 +73,27 @@ def test_the_shared_plan_refuses_ep_over_a_dense_model_or_uneven_experts() -> No
     )
 
 
-def test_bad_ep_is_one_error_each_in_a_dry_run(tmp_path: Path) -> None:
-    base = ["device=cpu", "dry_run=true"]
-    out = run_cli([*base, "model=qwen3_moe_debug", "parallel.dp_shard=6", "parallel.ep=3"], cwd=tmp_path)
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert "parallel.ep=3 must divide model.n_experts=8" in out.stderr  # dp_shard=6 is fine
-    out = run_cli([*base, "model=qwen3_moe_debug", "parallel.dp_shard=2", "parallel.ep=4"], cwd=tmp_path)
-    assert (
-        out.returncode == 2
-        and "parallel.ep=4 must divide the data-parallel shard ranks dp_shard=2" in out.stderr
-    )
-    out = run_cli([*base, "model=qwen3_debug", "parallel.dp_shard=2", "parallel.ep=2"], cwd=tmp_path)
-    assert out.returncode == 2 and "this model has no mixture-of-experts layer" in out.stderr
+def test_bad_ep_is_one_error_each_in_a_dry_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # in this process (``portatrain`` as the CLI runs it): six dry runs
+
+    def dry_run(*overrides: str) -> tuple[int, str]:
+        return run(["device=cpu", "dry_run=true", *overrides], capsys)
+
+    status, err = dry_run("model=qwen3_moe_debug", "parallel.dp_shard=6", "parallel.ep=3")
+    assert status == 2 and "Traceback" not in err, err[-3000:]
+    assert "parallel.ep=3 must divide model.n_experts=8" in err  # dp_shard=6 is fine
+    status, err = dry_run("model=qwen3_moe_debug", "parallel.dp_shard=2", "parallel.ep=4")
+    assert status == 2 and "parallel.ep=4 must divide the data-parallel shard ranks dp_shard=2" in err
+    status, err = dry_run("model=qwen3_debug", "parallel.dp_shard=2", "parallel.ep=2")
+    assert status == 2 and "this model has no mixture-of-experts layer" in err
     buckets = ["model=qwen3_moe_debug", "parallel.dp_shard=2", "parallel.ep=2", "data.collator=bucket"]
-    out = run_cli([*base, *buckets, "model.moe_dispatch=capacity"], cwd=tmp_path)
-    assert out.returncode == 2 and "ranks may run different row lengths in one step" in out.stderr
-    assert run_cli([*base, *buckets, "model.moe_dispatch=dropless"], cwd=tmp_path).returncode == 0
-    ok = run_cli([*base, "model=qwen3_moe_debug", "parallel.dp_shard=4", "parallel.ep=2"], cwd=tmp_path)
-    assert ok.returncode == 0, ok.stderr[-3000:]
+    status, err = dry_run(*buckets, "model.moe_dispatch=capacity")
+    assert status == 2 and "ranks may run different row lengths in one step" in err
+    assert dry_run(*buckets, "model.moe_dispatch=dropless")[0] == 0
+    status, err = dry_run("model=qwen3_moe_debug", "parallel.dp_shard=4", "parallel.ep=2")
+    assert status == 0, err[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------

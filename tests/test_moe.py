@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from portatrain.models.common import moe as moe_mod
 from portatrain.models.common.moe import MoE, grouped_linear, routing_stats
 from tests.helpers import ROOT, TINY, fit, read_metrics, run_cli
+from tests.test_command_errors import run
 
 MOE = [*TINY, "model=qwen3_moe_debug", "checkpoint.enabled=false"]
 
@@ -177,24 +178,18 @@ def test_dry_run_prints_total_and_active_parameters(tmp_path: Path) -> None:
     assert "experts dispatched capacity (capacity_factor 1.25)" in out.stdout  # neuron wants static shapes
 
 
-def test_bad_moe_settings_are_one_error_each(tmp_path: Path) -> None:
-    out = run_cli(
-        [
-            "model=qwen3_moe_debug",
-            "model.top_k=9",
-            "model.moe_dispatch=sometimes",
-            "model.capacity_factor=0",
-            "device=cpu",
-            "dry_run=true",
-        ],
-        cwd=tmp_path,
-    )
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "model.top_k=9 exceeds model.n_experts=8" in out.stderr
-    assert "model.moe_dispatch='sometimes' is not one of auto, dropless, capacity" in out.stderr
-    assert "model.capacity_factor=0.0 must be a positive number" in out.stderr
-    dense = run_cli(["model=qwen3_debug", "model.n_experts=4", "device=cpu", "dry_run=true"], cwd=tmp_path)
-    assert dense.returncode == 2 and "model.n_experts=4: not an option of the qwen3 family" in dense.stderr
+def test_bad_moe_settings_are_one_error_each(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # ``portatrain`` in this process, as the CLI runs it
+    bad = ["model.top_k=9", "model.moe_dispatch=sometimes", "model.capacity_factor=0"]
+    status, err = run(["model=qwen3_moe_debug", *bad, "device=cpu", "dry_run=true"], capsys)
+    assert status == 2 and "Traceback" not in err
+    assert "model.top_k=9 exceeds model.n_experts=8" in err
+    assert "model.moe_dispatch='sometimes' is not one of auto, dropless, capacity" in err
+    assert "model.capacity_factor=0.0 must be a positive number" in err
+    status, err = run(["model=qwen3_debug", "model.n_experts=4", "device=cpu", "dry_run=true"], capsys)
+    assert status == 2 and "model.n_experts=4: not an option of the qwen3 family" in err
 
 
 @pytest.mark.slow  # a fresh process: installing the sim device is process-global
