@@ -49,8 +49,8 @@ def _drop_log_handlers_on_closed_streams() -> Iterator[None]:
 
     Libraries add a ``StreamHandler`` on first use, bound to whatever ``sys.stderr`` is then:
     lm-eval's ``setup_logging`` does, once per process, during ``simple_evaluate``. Inside a test
-    that is pytest's capture stream, closed at the test's teardown; the next test whose lm-eval
-    call logs would then write to a closed file (seen as pytest dying with "lost sys.stderr")."""
+    under ``capsys`` that is a capture stream closed at the test's teardown; the next test whose
+    lm-eval call logs would write to a closed file ("--- Logging error ---" on stderr)."""
     yield
     loggers = [logging.getLogger()] + [
         logger for logger in logging.Logger.manager.loggerDict.values() if isinstance(logger, logging.Logger)
