@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -115,6 +117,36 @@ def losses(run_dir: Path) -> list[float]:
 def step_losses(run_dir: Path) -> dict[int, float]:
     """Loss of each step; a step logged twice (before and after a resume) keeps the last."""
     return {r["step"]: r["loss"] for r in train_records(run_dir)}
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    """The environment of a process a test launches: one compute thread, this checkout first on the
+    path, and no launcher variables inherited from a run around the test."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}", **extra}
+    for key in ("WORLD_SIZE", "PORTATRAIN_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    return env
+
+
+def sigterm_portatrain_torchrun(args: list[str], cwd: Path, after: str = "step 2/") -> tuple[int, str]:
+    """``portatrain torchrun`` on 2 local processes, SIGTERMed once its log shows ``after``: (exit
+    status, log)."""
+    log = cwd / "log.txt"
+    with log.open("w") as sink:
+        job = subprocess.Popen(
+            [sys.executable, "-m", "portatrain", "torchrun", "--standalone", "--nproc-per-node=2"]
+            + ["-m", "portatrain", *args],
+            cwd=cwd,
+            env=launch_env(),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 240
+        while after not in log.read_text() and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.5)
+        job.send_signal(signal.SIGTERM)
+        status = job.wait(timeout=120)
+    return status, log.read_text()
 
 
 class CountingCPU(CPUAccelerator):

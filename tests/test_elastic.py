@@ -7,28 +7,18 @@ and resumes with the clean run's losses; SIGTERM to ``portatrain torchrun`` save
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, TINY, fit, step_losses
+from tests.helpers import TINY, fit, launch_env, sigterm_portatrain_torchrun, step_losses
 
 pytestmark = pytest.mark.slow
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-
-
-def _env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    for key in ("WORLD_SIZE", "PORTATRAIN_RUN_ID", "TORCHELASTIC_RUN_ID"):
-        env.pop(key, None)
-    return env
 
 
 def _script(path: Path, code: str) -> Path:
@@ -57,7 +47,7 @@ def test_a_restarted_attempt_never_reads_the_previous_attempts_gloo_addresses(tm
             while not joining.exists():
                 time.sleep(0.05)
             time.sleep(3)
-        init_distributed(CPUAccelerator(), dist_info_from_env())
+        init_distributed(CPUAccelerator(), dist_info_fromlaunch_env())
         import torch.distributed as dist
         dist.barrier()
         if attempt < 3 and rank == "1":
@@ -69,7 +59,7 @@ def test_a_restarted_attempt_never_reads_the_previous_attempts_gloo_addresses(tm
     out = subprocess.run(
         [*TORCHRUN, "--max-restarts=3", str(worker)],
         cwd=tmp_path,
-        env=_env(),
+        env=launch_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -105,7 +95,7 @@ def test_two_workers_restart_after_a_sigkill_and_resume_with_the_clean_losses(tm
     out = subprocess.run(
         [*TORCHRUN, "--max-restarts=3", str(kill_once), *args],
         cwd=tmp_path,
-        env=_env(),
+        env=launch_env(),
         capture_output=True,
         text=True,
         timeout=400,
@@ -119,22 +109,7 @@ def test_two_workers_restart_after_a_sigkill_and_resume_with_the_clean_losses(tm
 
 def test_sigterm_to_portatrain_torchrun_saves_and_exits_0(tmp_path: Path) -> None:
     args = [*TINY, "trainer.steps=100000", "parallel.dp_shard=2", "run_dir=run", "trainer.progress=true"]
-    log = tmp_path / "log.txt"
-    with log.open("w") as sink:
-        job = subprocess.Popen(
-            [sys.executable, "-m", "portatrain", "torchrun", "--standalone", "--nproc-per-node=2"]
-            + ["-m", "portatrain", *args],
-            cwd=tmp_path,
-            env=_env(),
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 240
-        while "step 2/" not in log.read_text() and time.monotonic() < deadline and job.poll() is None:
-            time.sleep(0.5)
-        job.send_signal(signal.SIGTERM)
-        status = job.wait(timeout=120)
-    output = log.read_text()
+    status, output = sigterm_portatrain_torchrun(args, tmp_path)
     assert status == 0, output[-4000:]
     assert "every worker saved and ended cleanly" in output
     assert list((tmp_path / "run" / "checkpoints").glob("step_*"))

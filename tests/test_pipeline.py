@@ -17,13 +17,10 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -37,7 +34,18 @@ from portatrain.parallel.pipeline import bubble_fraction, split_model, stage_ids
 from portatrain.plan import describe_plan
 from portatrain.validate import config_problems
 from tests import fault_injection
-from tests.helpers import ROOT, TINY, compose_config, fit, read_metrics, run_cli, step_losses, train_records
+from tests.helpers import (
+    ROOT,
+    TINY,
+    compose_config,
+    fit,
+    launch_env,
+    read_metrics,
+    run_cli,
+    sigterm_portatrain_torchrun,
+    step_losses,
+    train_records,
+)
 
 STEPS = 3
 RUN = [*TINY, f"trainer.steps={STEPS}", "checkpoint.enabled=false"]  # 4 rows of 64 tokens a step
@@ -226,13 +234,6 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict
     }
 
 
-def _env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    for key in ("WORLD_SIZE", "PORTATRAIN_RUN_ID", "TORCHELASTIC_RUN_ID"):
-        env.pop(key, None)
-    return env
-
-
 def _torchrun(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
 
@@ -245,7 +246,7 @@ def _launch(nproc: int, runs: dict[str, list[str]], tmp_path: Path) -> dict[str,
     out = subprocess.run(
         [*_torchrun(nproc), str(ROOT / "tests" / "pipeline_runs.py"), str(tmp_path / "runs.json")],
         cwd=tmp_path,
-        env=_env(),
+        env=launch_env(),
         capture_output=True,
         text=True,
         timeout=900,
@@ -373,7 +374,12 @@ def test_pp2_dp2_tp2_on_eight_processes_matches_one_process(one_process, tmp_pat
 def _fault_worker(run_dir: Path, overrides: list[str], **fault: str) -> subprocess.CompletedProcess:
     """A pp=2 launch of ``tests/fault_injection.py`` (the CLI with the kill hook; ``fault``: its
     ``FAULT_*`` variables, none armed by default): 4 steps, a checkpoint each step, the last 2 kept."""
-    env = {**_env(), "FAULT_KILL_AT": "0", "FAULT_RANK": "0", "FAULT_MARKER": str(run_dir.parent / "none")}
+    env = {
+        **launch_env(),
+        "FAULT_KILL_AT": "0",
+        "FAULT_RANK": "0",
+        "FAULT_MARKER": str(run_dir.parent / "none"),
+    }
     return subprocess.run(
         [
             *_torchrun(2),
@@ -427,22 +433,7 @@ def test_sigkill_of_a_pipeline_rank_during_a_save_resumes_from_the_newest_whole_
 @pytest.mark.slow
 def test_sigterm_to_a_pipelined_portatrain_torchrun_saves_and_exits_0(tmp_path: Path) -> None:
     args = [*TINY, *PP2, "trainer.steps=100000", "run_dir=run", "trainer.progress=true"]
-    log = tmp_path / "log.txt"
-    with log.open("w") as sink:
-        job = subprocess.Popen(
-            [sys.executable, "-m", "portatrain", "torchrun", "--standalone", "--nproc-per-node=2"]
-            + ["-m", "portatrain", *args],
-            cwd=tmp_path,
-            env=_env(),
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 240
-        while "step 2/" not in log.read_text() and time.monotonic() < deadline and job.poll() is None:
-            time.sleep(0.5)
-        job.send_signal(signal.SIGTERM)
-        status = job.wait(timeout=120)
-    output = log.read_text()
+    status, output = sigterm_portatrain_torchrun(args, tmp_path)
     assert status == 0, output[-4000:]
     assert "every worker saved and ended cleanly" in output
     (saved,) = complete_checkpoints(tmp_path / "run" / "checkpoints")
