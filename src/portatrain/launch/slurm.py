@@ -90,9 +90,7 @@ def _render_lighthouse_job(cfg: Any, groups: str, *, workdir: str) -> str:
         f"--output={log_file(name)}",
         "--open-mode=append",
     ]
-    for key in ("partition", "account", "time"):
-        if getattr(launch, key):
-            directives.append(f"--{key}={getattr(launch, key)}")
+    directives += _optional_directives(launch)
     lines = [
         "#!/bin/bash",
         f"# portatrain fault-tolerant job: {describe_job(cfg)}, as {ft.group_size} replica groups.",
@@ -121,6 +119,13 @@ def _render_lighthouse_job(cfg: Any, groups: str, *, workdir: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _optional_directives(launch: Any) -> list[str]:
+    """``--partition``, ``--account`` and ``--time``, where the config sets them."""
+    return [
+        f"--{key}={getattr(launch, key)}" for key in ("partition", "account", "time") if getattr(launch, key)
+    ]
+
+
 def _render_job(
     cfg: Any, overrides: Sequence[str], *, workdir: str, replica_groups: int | None = None
 ) -> str:
@@ -143,9 +148,7 @@ def _render_job(
         directives.append(f"--array=0-{replica_groups - 1}")
     if cfg.device.type == "cuda":
         directives.append(f"--gpus-per-node={launch.procs_per_node}")
-    for key in ("partition", "account", "time"):
-        if getattr(launch, key):
-            directives.append(f"--{key}={getattr(launch, key)}")
+    directives += _optional_directives(launch)
 
     lines = [
         "#!/bin/bash",
