@@ -172,6 +172,17 @@ def weights_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+def import_torchft() -> Any:
+    """torchft, or one line saying how to install it (it is the ``ft`` extra, not a core dependency)."""
+    try:
+        import torchft
+    except ImportError as exc:
+        raise ConfigError(
+            f"fault tolerance needs torchft ({exc}): pip install 'portatrain[ft]' (or torchft>=0.2)"
+        ) from exc
+    return torchft
+
+
 class ReplicaGroups:
     """This process's part in the replica groups: torchft's Manager, its process group and the store.
 
@@ -199,7 +210,7 @@ class ReplicaGroups:
         os.environ.setdefault("RUST_LOG", "warn")
         if logging.getLogger("torchft").level == logging.NOTSET:
             logging.getLogger("torchft").setLevel(logging.WARNING)
-        import torchft
+        torchft = import_torchft()
         from torch.distributed import TCPStore
 
         if device_type not in PROCESS_GROUPS:

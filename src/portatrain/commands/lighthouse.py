@@ -14,7 +14,7 @@ import argparse
 import signal
 import threading
 
-from portatrain.fault_tolerance import LIGHTHOUSE_PORT
+from portatrain.fault_tolerance import LIGHTHOUSE_PORT, import_torchft
 
 HYDRA = False
 EXAMPLE = "portatrain lighthouse --port 29510 --min-replicas 1"
@@ -66,6 +66,7 @@ def main(argv: list[str]) -> int:
 
     # torchft's Rust server logs every quorum (each step of the run) at INFO; RUST_LOG=info shows them.
     os.environ.setdefault("RUST_LOG", "warn")
+    import_torchft()  # one line saying how to install it, if it is missing
     from torchft.coordination import LighthouseServer
 
     try:
