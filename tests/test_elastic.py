@@ -47,7 +47,7 @@ def test_a_restarted_attempt_never_reads_the_previous_attempts_gloo_addresses(tm
             while not joining.exists():
                 time.sleep(0.05)
             time.sleep(3)
-        init_distributed(CPUAccelerator(), dist_info_fromlaunch_env())
+        init_distributed(CPUAccelerator(), dist_info_from_env())
         import torch.distributed as dist
         dist.barrier()
         if attempt < 3 and rank == "1":
