@@ -465,7 +465,7 @@ def test_planted_metadata_payload_is_refused_without_running(run_copy: Path, tmp
     (_step3(run_copy) / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
     with pytest.raises(CheckpointError, match="os.system|posix.system") as info:
         inspect_checkpoint(_step3(run_copy))
-    assert "not a DCP index" in str(info.value)
+    assert "is unsafe and was not loaded" in str(info.value)
     with pytest.raises(CheckpointError):
         _resume(run_copy, f"checkpoint.resume={_step3(run_copy)}")
     from portatrain.export import export_hf

@@ -183,6 +183,29 @@ def import_torchft() -> Any:
     return torchft
 
 
+def tensor_only_transport(torchft: Any, timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport, receiving with ``torch.load(weights_only=True)``.
+
+    A recovering group fetches a healthy group's state over HTTP; torchft's ``HTTPTransport`` reads it
+    with ``weights_only=False`` (torchft/checkpointing/http_transport.py, ``_load_from_address``), so
+    whatever answers that request could run code in the recovering process. What portatrain sends
+    (:meth:`Trainer._replica_state`: tensors, numbers, strings, lists and dicts) loads with the
+    restricted unpickler, which refuses anything else before calling it.
+    """
+    from torchft.checkpointing._serialization import _streaming_load
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class TensorOnlyHTTPTransport(HTTPTransport):
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            import urllib.request
+
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as stream:
+                return _streaming_load(stream, weights_only=True)
+
+    return TensorOnlyHTTPTransport(timeout=timeout, num_chunks=0)
+
+
 class ReplicaGroups:
     """This process's part in the replica groups: torchft's Manager, its process group and the store.
 
@@ -246,6 +269,7 @@ class ReplicaGroups:
             store_port=port,
             lighthouse_addr=lighthouse,
             replica_id=f"portatrain_{cfg.replica_id}",
+            checkpoint_transport=tensor_only_transport(torchft, timeout),
             # Every group initializes the same weights from trainer.seed: nothing to sync at step 0;
             # a group that joins later than step 0 is healed all the same.
             init_sync=False,

@@ -20,7 +20,9 @@ One module per concern:
   ``export`` share (:func:`nonfinite_keys`); a failure is a :class:`DamagedCheckpointError`, which
   ``checkpoint.resume=auto`` answers by loading the checkpoint before;
 - ``safe_metadata.py`` -- :func:`safe_reader`, the DCP reader every load goes through: it unpickles
-  DCP's ``.metadata`` index with an unpickler that admits only DCP's own metadata classes;
+  DCP's ``.metadata`` index with an unpickler that admits only DCP's own metadata classes, and
+  refuses an index that declares any non-tensor (pickled) entry before reading a byte of it
+  (:class:`UnsafeCheckpointError`; ``checkpoint.resume=auto`` skips such a checkpoint and says so);
 - ``hf.py`` -- :func:`load_hf_weights` initializes a model from a local Hugging Face safetensors
   directory through its family's ``ModelSpec``, each rank reading only the slices it holds;
 - ``common.py`` -- :class:`CheckpointError` (a ``UserError``: the one error a user sees for a
@@ -66,7 +68,7 @@ from portatrain.checkpoint.checkpointer import (
     model_args_dict,
     read_trainer_state,
 )
-from portatrain.checkpoint.common import FORMAT, CheckpointError
+from portatrain.checkpoint.common import FORMAT, CheckpointError, UnsafeCheckpointError
 from portatrain.checkpoint.hf import load_hf_weights
 from portatrain.checkpoint.preemption import PreemptionWatcher, sigterm_interrupts
 from portatrain.checkpoint.resume import find_checkpoint, load_dataloader_state, newest_usable, resolve_resume
@@ -93,5 +95,6 @@ __all__ = [
     "resolve_resume",
     "safe_reader",
     "sigterm_interrupts",
+    "UnsafeCheckpointError",
     "UnsafeMetadataError",
 ]

@@ -32,6 +32,7 @@ from portatrain.checkpoint.common import (
     STEP_DIR,
     TRAINER_STATE,
     CheckpointError,
+    UnsafeCheckpointError,
     any_rank,
     bytes_on_disk,
     free_bytes,
@@ -653,9 +654,9 @@ def _read_dcp_metadata(path: Path) -> Any:
     try:
         return safe_reader(str(path)).read_metadata()
     except UnsafeMetadataError as exc:
-        raise CheckpointError(
-            f"checkpoint file {path / METADATA} is not a DCP index and was not loaded: {exc}. Only "
-            "load checkpoints written by portatrain (or torch.distributed.checkpoint)"
+        raise UnsafeCheckpointError(
+            f"checkpoint {path} is unsafe and was not loaded: its index {path / METADATA}: {exc}. "
+            "Load only checkpoints written by portatrain; delete this one, or resume from another step_* directory"
         ) from None
     except Exception as exc:
         raise CheckpointError(

@@ -32,6 +32,11 @@ class CheckpointError(UserError, ValueError):
     """Raised on every rank with the same message: under torchrun the CLI prints it once (rank 0)."""
 
 
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint whose index names something other than DCP's own classes and tensors: loading it
+    could run code, so nothing of it is read. ``checkpoint.resume=auto`` skips it and says why."""
+
+
 def some(keys: list[str], limit: int = 6) -> str:
     """The first ``limit`` keys, and how many there are in all."""
     more = f" ... ({len(keys)} in all)" if len(keys) > limit else ""

@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from portatrain.checkpoint.checkpointer import complete_checkpoints, inspect_checkpoint, read_trainer_state
-from portatrain.checkpoint.common import STEP_DIR, CheckpointError, broadcast_from_main, get_rank
+from portatrain.checkpoint.common import (
+    STEP_DIR,
+    CheckpointError,
+    UnsafeCheckpointError,
+    broadcast_from_main,
+    get_rank,
+)
 
 if TYPE_CHECKING:
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -95,6 +101,11 @@ def newest_usable(folder: Path, recipe: str | None = None, *, below: int | None 
             continue
         try:
             state, _ = inspect_checkpoint(path)
+        except UnsafeCheckpointError as exc:  # not read: nothing of it ran
+            logger.warning(
+                "checkpoint.resume=auto: skipping UNSAFE checkpoint %s (not loaded): %s", path, exc
+            )
+            continue
         except CheckpointError as exc:
             logger.warning("checkpoint.resume=auto: skipping broken checkpoint %s: %s", path, exc)
             continue
