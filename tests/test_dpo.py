@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from portatrain.checkpoint import CheckpointError
 from portatrain.data.errors import DataError
 from portatrain.data.tokenizer import build_tokenizer
-from portatrain.dpo_trainer import REFERENCE_FILE, DPOTrainer
+from portatrain.dpo_trainer import LEGACY_REFERENCE_FILE, REFERENCE_FILE, DPOTrainer
 from portatrain.finetune.dpo import PairLoader, dpo_loss, encode_pairs, read_pairs, sequence_logps
 from tests.conftest import TINY, compose_config, run_cli
 from tests.helpers import torchrun, train_records
@@ -175,6 +176,129 @@ def test_dpo_record_without_rejected_is_one_line(tmp_path: Path) -> None:
     assert result.returncode == 2 and "Traceback" not in result.stderr
     [line] = [line for line in result.stderr.splitlines() if "no 'rejected' field" in line]
     assert "pairs.jsonl:2" in line and '"chosen": "..."' in line
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
+def test_dpo_pairs_with_an_empty_response_are_refused(tmp_path: Path, chat: bool) -> None:
+    """An empty chosen response scores 0, above any real one: all-empty data trained to accuracy 1.0."""
+    from portatrain.validate import config_problems
+
+    pairs = write_pairs(tmp_path / "pairs.jsonl", 6, chat=chat)
+    records = [json.loads(line) for line in pairs.read_text().splitlines()]
+    for i in (1, 4):
+        records[i]["chosen"] = [{"role": "assistant", "content": " "}] if chat else ""
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(DataError) as info:
+        read_pairs(str(pairs), chat=chat)
+    message = str(info.value)
+    assert "2 of 6 records have an empty 'chosen' response (the first at " in message, message
+    assert "pairs.jsonl:2" in message and "drop those records" in message
+    extra = ["data.format=chat"] if chat else []
+    problems = config_problems(compose_config(dpo_overrides(pairs, *extra)))
+    assert any("empty 'chosen' response" in p for p in problems), problems
+
+
+def test_dpo_refuses_the_chunked_loss_pipelines_and_context_parallel(tmp_path: Path) -> None:
+    from portatrain.validate import config_problems
+
+    pairs = write_pairs(tmp_path / "pairs.jsonl", 8)
+    assert config_problems(compose_config(dpo_overrides(pairs))) == []
+    bad = ["trainer.loss=chunked", "parallel.pp=2", "parallel.cp=2", "dry_run=true"]
+    problems = config_problems(compose_config(dpo_overrides(pairs, *bad)))
+    for start, fix in (
+        ("trainer.loss=chunked with finetune.method=dpo", "set trainer.loss=plain"),
+        ("parallel.pp=2 with finetune.method=dpo", "set parallel.pp=1"),
+        ("parallel.cp=2 with finetune.method=dpo", "set parallel.cp=1"),
+    ):
+        assert any(p.startswith(start) and fix in p for p in problems), (start, problems)
+
+
+def _zero_data(path: Path) -> None:
+    """Zero a safetensors file's tensor bytes, its header kept (8-byte length, then JSON)."""
+    raw = path.read_bytes()
+    start = 8 + int.from_bytes(raw[:8], "little")
+    path.write_bytes(raw[:start] + bytes(len(raw) - start))
+
+
+def _nan_first(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(raw[:8], "little")
+    raw[start : start + 4] = torch.tensor([float("nan")]).numpy().tobytes()
+    path.write_bytes(bytes(raw))
+
+
+def _nan_with_its_checksum(path: Path) -> None:
+    """A file whose checksum matches its (non-finite) contents: the finiteness check must catch it."""
+    from safetensors.torch import load_file, save_file
+
+    from portatrain.checkpoint.verify import ALGORITHM, checksums
+
+    reference = load_file(str(path))["reference"]
+    reference[0, 0] = float("nan")
+    checksum = str(checksums({"reference": reference})["reference"])
+    save_file({"reference": reference}, str(path), {"checksum_algorithm": ALGORITHM, "checksum": checksum})
+
+
+def _legacy_pickle(path: Path) -> None:
+    torch.save(torch.zeros(48, 2), path.with_name(LEGACY_REFERENCE_FILE))
+    path.unlink()
+
+
+DAMAGE = {
+    "zeroed": (_zero_data, "checksum of its log-probabilities does not match"),
+    "truncated": (lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]), "is unreadable"),
+    "nan": (_nan_first, "checksum of its log-probabilities does not match"),
+    "nan_with_checksum": (_nan_with_its_checksum, "holds non-finite (NaN/inf)"),
+    "pickle": (lambda p: torch.save(torch.zeros(48, 2), p), "is unreadable"),
+    "legacy_pickle": (_legacy_pickle, "earlier portatrain as a pickle"),
+}
+
+
+@pytest.fixture(scope="module")
+def full_dpo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """Two steps of full DPO, checkpointed at the end: the run a damaged reference is resumed in."""
+    base = tmp_path_factory.mktemp("dpo_reference")
+    overrides = dpo_overrides(write_pairs(base / "pairs.jsonl"), "trainer.steps=2", "model.n_layers=1")
+    fit_dpo(overrides, base / "run")
+    return base / "run", [*overrides, "trainer.steps=3", "checkpoint.resume=auto"]
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_dpo_reference_is_refused_naming_the_file(
+    full_dpo_run: tuple[Path, list[str]], tmp_path: Path, damage: str
+) -> None:
+    import shutil
+
+    run_dir, resume = full_dpo_run
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    reference = copy / REFERENCE_FILE
+    config_before = (copy / "config.yaml").read_bytes()
+    apply, expected = DAMAGE[damage]
+    apply(reference)
+    with pytest.raises(CheckpointError) as info:
+        DPOTrainer(compose_config(resume, run_dir=copy))
+    message = str(info.value)
+    assert "\n" not in message and expected in message, message
+    assert (LEGACY_REFERENCE_FILE if damage == "legacy_pickle" else REFERENCE_FILE) in message
+    assert "start a new run" in message
+    assert (copy / "config.yaml").read_bytes() == config_before  # refused before anything is written
+
+
+def test_a_damaged_dpo_reference_is_one_line_and_exit_2(
+    full_dpo_run: tuple[Path, list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    from tests.test_command_errors import one_line_error, run
+
+    run_dir, resume = full_dpo_run
+    shutil.copytree(run_dir, tmp_path / "run")
+    _zero_data(tmp_path / "run" / REFERENCE_FILE)
+    status, err = run([*resume, f"run_dir={tmp_path / 'run'}"], capsys)
+    assert status == 2 and REFERENCE_FILE in one_line_error(err, "train")
+    # The intact reference resumes (its checksum written at the start matches).
+    fit_dpo(resume, run_dir)
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@ What changes, hook by hook:
 * after the weights are in place (initialized, ``model.init_from`` or a checkpoint) -- the reference
   log-probabilities of every pair, computed once: with LoRA (``finetune.dpo.lora``) by the model with
   its adapters off, which is the base whatever the step, so a resumed run computes them again; for
-  full DPO by the model as it starts, kept in ``<run_dir>/dpo_reference.pt`` for resumes;
+  full DPO by the model as it starts, kept in ``<run_dir>/dpo_reference.safetensors`` for resumes,
+  with a content checksum (``portatrain.checkpoint.verify``) that a resume checks before it trusts it;
 * ``train_step`` -- the DPO loss, a mean over the pairs of the global batch (every rank's sum over
   the global pair count, as the language-model loss does with tokens); rewards, margin and accuracy
   logged beside it (``dpo/...``);
@@ -19,13 +20,16 @@ Everything else (parallel plan, LoRA, optimizer, checkpoints, metrics) is the Tr
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import os
 import random
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from portatrain.checkpoint.common import CheckpointError
+from portatrain.checkpoint.verify import ALGORITHM, checksums
 from portatrain.data.errors import DataError
 from portatrain.data.tokenizer import build_tokenizer
 from portatrain.finetune import uses_lora
@@ -35,7 +39,11 @@ from portatrain.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
-REFERENCE_FILE = "dpo_reference.pt"
+REFERENCE_FILE = "dpo_reference.safetensors"
+"""Full DPO's reference log-probabilities, ``[pairs, 2]`` float32 under the key ``reference``, their
+checksum in the file's metadata. safetensors, not ``torch.save``: reading it never unpickles."""
+LEGACY_REFERENCE_FILE = "dpo_reference.pt"
+"""What portatrain wrote before the checksum: a pickle, not read any more."""
 
 
 class _PairData:
@@ -79,32 +87,56 @@ class DPOTrainer(Trainer):
         )
 
     def _restore(self) -> None:
+        # A resume's saved reference is checked before anything is loaded or written.
+        saved = self._saved_reference()
         super()._restore()
         self.beta = float(self.cfg.finetune.dpo.beta)
-        self.reference = self._reference_logps()
+        self.reference = saved if saved is not None else self._new_reference()
 
     # -- the reference -----------------------------------------------------------------------
-    def _reference_logps(self) -> torch.Tensor:
-        """``[pairs, 2]`` log-probabilities of (chosen, rejected) under the reference (module docstring)."""
-        lora = uses_lora(self.cfg.finetune)
+    def _new_reference(self) -> torch.Tensor:
+        """``[pairs, 2]`` log-probabilities of (chosen, rejected) under the reference (module
+        docstring); full DPO's are written to ``<run_dir>/dpo_reference.safetensors``."""
+        if uses_lora(self.cfg.finetune):
+            with adapters_disabled(self.model):
+                return self._score_all_pairs()
+        reference = self._score_all_pairs()
+        checksum = checksums({"reference": reference})["reference"]  # collective: every rank
+        if self.dist.is_main:
+            from safetensors.torch import save_file
+
+            path = self.run_dir / REFERENCE_FILE
+            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+            metadata = {"checksum_algorithm": ALGORITHM, "checksum": str(checksum)}
+            save_file({"reference": reference.cpu().contiguous()}, str(tmp), metadata=metadata)
+            tmp.replace(path)  # atomic: a kill mid-write leaves no half-written reference
+        return reference
+
+    def _saved_reference(self) -> torch.Tensor | None:
+        """Resuming full DPO: the reference of the run's start, read back from its file and checked
+        (checksum, finiteness, one row per pair); None when the reference is computed now instead."""
+        if uses_lora(self.cfg.finetune) or self.resume_from is None:
+            return None
         path = self.run_dir / REFERENCE_FILE
-        if not lora and self.resume_from is not None:
-            if not path.is_file():
-                raise DataError(
-                    f"resuming full DPO needs the reference log-probabilities of the run's start, "
-                    f"{path}, which is missing; start a new run (or use finetune.dpo.lora=true)"
+        # The reference is the model as the run started: no later checkpoint can recompute it.
+        fix = "start a new run (a new run_dir), or put back a good copy of the file"
+        if not path.is_file():
+            legacy = self.run_dir / LEGACY_REFERENCE_FILE
+            if legacy.is_file():
+                raise CheckpointError(
+                    f"{legacy} was written by an earlier portatrain as a pickle, without a checksum, and is "
+                    "not read any more; start a new run (a new run_dir), or use finetune.dpo.lora=true"
                 )
-            reference = torch.load(path, weights_only=True)
-            if reference.shape != (len(self.pairs), 2):
-                raise DataError(
-                    f"{path} scores {reference.shape[0]} pairs, data.dataset holds {len(self.pairs)}: "
-                    "the data changed since the run started; start a new run"
-                )
-            return reference.to(self.device)
-        with adapters_disabled(self.model) if lora else contextlib.nullcontext():
-            reference = self._score_all_pairs()
-        if not lora and self.dist.is_main:
-            torch.save(reference.cpu(), path)
+            raise DataError(
+                f"resuming full DPO needs the reference log-probabilities of the run's start, "
+                f"{path}, which is missing; start a new run (or use finetune.dpo.lora=true)"
+            )
+        reference = _read_reference(path, fix, self.device)
+        if reference.shape != (len(self.pairs), 2):
+            raise DataError(
+                f"{path} scores {reference.shape[0]} pairs, data.dataset holds {len(self.pairs)}: "
+                "the data changed since the run started; start a new run"
+            )
         return reference
 
     @torch.no_grad()
@@ -189,3 +221,35 @@ class DPOTrainer(Trainer):
         means = (summed[:-1] / summed[-1].clamp(min=1)).tolist()
         named = dict(zip(keys, means, strict=True))
         return {"eval_loss": named.pop("loss"), **{f"eval_dpo/{k}": v for k, v in named.items()}}
+
+
+def _read_reference(path: Path, fix: str, device: torch.device) -> torch.Tensor:
+    """The reference tensor of ``path`` on ``device``, after its checksum and finiteness checks
+    (collective: the checksum is summed over every rank, on the device the process group serves);
+    a :class:`CheckpointError` naming the file and ``fix`` else."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            reference = f.get_tensor("reference")
+    except (SafetensorError, OSError) as exc:  # truncated, overwritten, not safetensors at all
+        raise CheckpointError(
+            f"{path} is unreadable as DPO reference log-probabilities ({exc}); {fix}"
+        ) from None
+    if metadata.get("checksum_algorithm") != ALGORITHM or "checksum" not in metadata:
+        raise CheckpointError(f"{path} carries no {ALGORITHM} checksum, so it cannot be trusted; {fix}")
+    if reference.dtype != torch.float32 or reference.dim() != 2 or reference.shape[-1] != 2:
+        raise CheckpointError(
+            f"{path} holds a {reference.dtype} tensor of shape {list(reference.shape)}, not [pairs, 2] "
+            f"float32 log-probabilities; {fix}"
+        )
+    reference = reference.to(device)
+    if str(checksums({"reference": reference})["reference"]) != metadata["checksum"]:
+        raise CheckpointError(
+            f"{path} is damaged: the content checksum of its log-probabilities does not match the one "
+            f"written with it (the file was overwritten or corrupted on disk); {fix}"
+        )
+    if not torch.isfinite(reference).all():
+        raise CheckpointError(f"{path} holds non-finite (NaN/inf) log-probabilities; {fix}")
+    return reference

@@ -55,12 +55,8 @@ def config_problems(cfg: Config) -> list[str]:
     problems += finetune_problems(cfg.finetune, cfg.model, cfg.data, cfg.compile)
     problems += checkpoint_problems(cfg.checkpoint)
     problems += fault_tolerance_problems(cfg.fault_tolerance, cfg.parallel, cfg.device.type)
-    if cfg.fault_tolerance.enabled and cfg.finetune.method == "dpo":
-        # DPO's train_step (portatrain.dpo_trainer) has no replica-group all-reduce or commit vote.
-        problems.append(
-            "fault_tolerance.enabled=true with finetune.method=dpo: DPO's step does not average gradients "
-            "across replica groups; set fault_tolerance.enabled=false (or use parallel.dp_shard for data parallel)"
-        )
+    if cfg.finetune.method == "dpo":
+        problems += _dpo_step_problems(cfg)
     problems += compile_problems(cfg.compile)
     problems += kernel_problems(list(cfg.kernels.enabled), cfg.device.type)
     if cfg.kernels.enabled and cfg.parallel.tp > 1:
@@ -125,6 +121,31 @@ def config_problems(cfg: Config) -> list[str]:
         compile_granularity=cfg.compile.granularity,
         evaluates=cfg.trainer.eval_every > 0,
     )
+    return problems
+
+
+def _dpo_step_problems(cfg: Config) -> list[str]:
+    """What DPO's own step (``portatrain.dpo_trainer``) does not do: it runs the whole model on whole
+    rows and scores each response from the full logits; FSDP2 (``parallel.dp_shard``) is its tested layout."""
+    problems = []
+    if cfg.fault_tolerance.enabled:
+        # No replica-group all-reduce or commit vote in DPO's train_step.
+        problems.append(
+            "fault_tolerance.enabled=true with finetune.method=dpo: DPO's step does not average gradients "
+            "across replica groups; set fault_tolerance.enabled=false (or use parallel.dp_shard for data parallel)"
+        )
+    if cfg.trainer.loss == "chunked":
+        problems.append(
+            f"trainer.loss={cfg.trainer.loss} with finetune.method=dpo: DPO scores each response's "
+            "log-probability from the full logits, which the chunked loss never makes; set trainer.loss=plain"
+        )
+    for axis, what in (("pp", "pipeline stages"), ("cp", "context-parallel shards of each row")):
+        degree = getattr(cfg.parallel, axis)
+        if degree > 1:
+            problems.append(
+                f"parallel.{axis}={degree} with finetune.method=dpo: DPO's step runs the whole model on "
+                f"whole rows, not {what}; set parallel.{axis}=1 (parallel.dp_shard spreads DPO over more devices)"
+            )
     return problems
 
 

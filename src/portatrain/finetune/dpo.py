@@ -81,8 +81,10 @@ def dpo_problems(dpo: DpoConfig, data: DataConfig, compile: CompileConfig) -> li
 
 def read_pairs(dataset: str, *, chat: bool) -> list[Pair]:
     """Every record of ``dataset`` as a :data:`Pair`; a record without ``chosen`` or ``rejected``
-    (or of the wrong type) is a :class:`DataError` naming its file and line."""
+    (or of the wrong type) is a :class:`DataError` naming its file and line, and so are blank
+    responses (how many, and the first one's line)."""
     pairs = []
+    empty: dict[str, list[str]] = {}  # field -> where its response is blank
     for location, record in iter_source(dataset):
         if not isinstance(record, dict):
             raise DataError(f"{location}: the record is a {type(record).__name__}, not a JSON object; {FIX}")
@@ -105,13 +107,32 @@ def read_pairs(dataset: str, *, chat: bool) -> list[Pair]:
                     f"{location}: field {name!r} is a {type(value).__name__}, not a {kind.__name__} "
                     f"(data.format={'chat' if chat else 'prompt_response'}); {CHAT_FIX if chat else FIX}"
                 )
+        for name in ("chosen", "rejected"):
+            if _is_empty(record[name], chat=chat):
+                empty.setdefault(name, []).append(str(location))
         if chat:
             pairs.append((prompt + record["chosen"], prompt + record["rejected"]))
         else:
             pairs.append(((prompt, record["chosen"]), (prompt, record["rejected"])))
     if not pairs:
         raise DataError(f"data.dataset={dataset!r} holds no preference pairs")
+    if empty:
+        # An empty response scores log-probability 0 (no target token but the end of text), which
+        # any real response is below: the pair teaches nothing true, and accuracy reads 1.0.
+        name, where = next(iter(empty.items()))
+        raise DataError(
+            f"data.dataset={dataset!r}: {len(where)} of {len(pairs)} records have an empty {name!r} "
+            f"response (the first at {where[0]}); DPO compares two real responses: fill them in or "
+            "drop those records"
+        )
     return pairs
+
+
+def _is_empty(response: Any, *, chat: bool) -> bool:
+    """A blank response, or (chat) messages whose contents are all blank."""
+    if chat:
+        return not any(str(m.get("content") or "").strip() for m in response if isinstance(m, dict))
+    return not response.strip()
 
 
 def encode_pairs(
