@@ -47,6 +47,43 @@ def test_fault_tolerance_config_is_validated_with_the_fix() -> None:
     assert len(_problems(group_size=0, timeout_s=0, parallel=ParallelConfig(pp=2))) == 3
 
 
+def test_a_lighthouse_address_without_a_scheme_is_refused_by_validation() -> None:
+    """torchft's client needs ``http://``: without it, it retried for timeout_s (77 s), then failed."""
+    (problem,) = _problems(lighthouse="localhost:29537")
+    assert problem == (
+        "fault_tolerance.lighthouse='localhost:29537' is not an http://HOST:PORT address; "
+        "did you mean http://localhost:29537?"
+    )
+    (problem,) = _problems(lighthouse="http://localhost:port")
+    assert "has no valid port" in problem
+    assert _problems(lighthouse="http://lighthouse.cluster:29510") == []
+
+
+def test_an_unreachable_lighthouse_is_one_line_naming_it() -> None:
+    pytest.importorskip("torchft")
+    import socket
+
+    from portatrain.fault_tolerance import LighthouseError, ReplicaGroups
+
+    with socket.socket() as s:  # a port nothing listens on once it is closed
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    address = f"http://localhost:{port}"
+    with pytest.raises(LighthouseError) as info:
+        ReplicaGroups(
+            FaultToleranceConfig(enabled=True, lighthouse=address, timeout_s=1.0),
+            device_type="cpu",
+            rank=0,
+            world_size=1,
+            state_dict=dict,
+            load_state_dict=lambda state: None,
+            broadcast=lambda value: value,
+        )
+    message = str(info.value)
+    assert "\n" not in message and f"fault_tolerance.lighthouse={address}" in message, message
+    assert "fault_tolerance.timeout_s=1" in message and f"portatrain lighthouse --port {port}" in message
+
+
 def test_a_bad_fault_tolerance_value_is_one_line_and_exit_2(tmp_path: Path) -> None:
     out = run_cli(
         [

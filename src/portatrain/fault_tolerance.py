@@ -36,11 +36,12 @@ from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
 from portatrain.config import FaultToleranceConfig, ParallelConfig
-from portatrain.errors import ConfigError
+from portatrain.errors import ConfigError, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,24 @@ LIGHTHOUSE_PORT = 29510
 
 PROCESS_GROUPS = {"cpu": "ProcessGroupGloo", "cuda": "ProcessGroupNCCL"}
 """Device type -> torchft's reconfigurable process group for the cross-group all-reduce."""
+
+
+class LighthouseError(UserError):
+    """No lighthouse answered at the configured address within ``fault_tolerance.timeout_s``."""
+
+
+def lighthouse_problem(address: str, key: str) -> str | None:
+    """Why ``address`` is not a lighthouse URL (``http://HOST:PORT``), or None. torchft's client needs
+    the scheme: without it, it retries for ``connect_timeout`` and then says "scheme is missing"."""
+    parts = urlsplit(address)
+    if parts.scheme in ("http", "https") and parts.hostname:
+        try:
+            parts.port  # noqa: B018 (parsing it is the check)
+        except ValueError:
+            return f"{key}={address!r} has no valid port; give it as http://HOST:PORT (0..65535)"
+        return None
+    suggestion = "http://" + address.split("://")[-1]
+    return f"{key}={address!r} is not an http://HOST:PORT address; did you mean {suggestion}?"
 
 
 def fault_tolerance_problems(
@@ -78,6 +97,9 @@ def fault_tolerance_problems(
     for key in ("timeout_s", "quorum_timeout_s"):
         if not getattr(ft, key) > 0:
             problems.append(f"fault_tolerance.{key}={getattr(ft, key)} must be positive (seconds)")
+    lighthouse = lighthouse_problem(ft.lighthouse, "fault_tolerance.lighthouse") if ft.lighthouse else None
+    if lighthouse is not None:
+        problems.append(lighthouse)
     if parallel.dp_replicate != 1:
         problems.append(
             f"parallel.dp_replicate={parallel.dp_replicate} with fault_tolerance.enabled=true: the replicate "
@@ -247,6 +269,10 @@ class ReplicaGroups:
                 "fault_tolerance.enabled=true needs a lighthouse: set fault_tolerance.lighthouse=http://HOST:PORT "
                 f"(or ${LIGHTHOUSE_ENV}); `portatrain lighthouse` starts one"
             )
+        key = "fault_tolerance.lighthouse" if cfg.lighthouse else f"${LIGHTHOUSE_ENV}"
+        problem = lighthouse_problem(lighthouse, key)
+        if problem is not None:
+            raise ConfigError(problem)
         self.cfg, self.rank = cfg, rank
         timeout = timedelta(seconds=cfg.timeout_s)
         # The group's own store for torchft's Manager (its manager server's address, the process group's
@@ -254,26 +280,38 @@ class ReplicaGroups:
         host = os.environ.get("MASTER_ADDR", "localhost")
         self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False) if rank == 0 else None
         port = broadcast(self._store.port if self._store is not None else None)
-        self.manager = torchft.Manager(
-            pg=getattr(torchft, PROCESS_GROUPS[device_type])(timeout=timeout),
-            load_state_dict=load_state_dict,
-            state_dict=state_dict,
-            min_replica_size=cfg.min_replicas,
-            use_async_quorum=False,  # heal before the forward: the data position is reloaded first
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
-            connect_timeout=timeout,
-            rank=rank,
-            world_size=world_size,
-            store_addr=host,
-            store_port=port,
-            lighthouse_addr=lighthouse,
-            replica_id=f"portatrain_{cfg.replica_id}",
-            checkpoint_transport=tensor_only_transport(torchft, timeout),
-            # Every group initializes the same weights from trainer.seed: nothing to sync at step 0;
-            # a group that joins later than step 0 is healed all the same.
-            init_sync=False,
-        )
+        try:
+            self.manager = torchft.Manager(
+                pg=getattr(torchft, PROCESS_GROUPS[device_type])(timeout=timeout),
+                load_state_dict=load_state_dict,
+                state_dict=state_dict,
+                min_replica_size=cfg.min_replicas,
+                use_async_quorum=False,  # heal before the forward: the data position is reloaded first
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+                connect_timeout=timeout,
+                rank=rank,
+                world_size=world_size,
+                store_addr=host,
+                store_port=port,
+                lighthouse_addr=lighthouse,
+                replica_id=f"portatrain_{cfg.replica_id}",
+                checkpoint_transport=tensor_only_transport(torchft, timeout),
+                # Every group initializes the same weights from trainer.seed: nothing to sync at step 0;
+                # a group that joins later than step 0 is healed all the same.
+                init_sync=False,
+            )
+        except RuntimeError as exc:
+            # torchft's client: "failed to connect to ADDRESS within timeout of Ns; ...: <the cause>".
+            if "failed to connect" not in str(exc) or lighthouse not in str(exc):
+                raise
+            cause = str(exc).rsplit(": ", 1)[-1]
+            port_hint = urlsplit(lighthouse).port or LIGHTHOUSE_PORT
+            raise LighthouseError(
+                f"no lighthouse answered at {key}={lighthouse} within fault_tolerance.timeout_s="
+                f"{cfg.timeout_s:g} ({cause}); start one there (`portatrain lighthouse --port {port_hint}`) "
+                "or point the address at the running one"
+            ) from None
         # A group resumed from a checkpoint counts from its step; one behind the others is healed.
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         self._participants = 0
