@@ -284,6 +284,29 @@ def test_rng_state_round_trips(saved_run: Path, tmp_path: Path) -> None:
     trainer.close()
 
 
+@pytest.mark.skipif(
+    not Path("/dev/full").exists(), reason="needs /dev/full (Linux), where writes fail with ENOSPC"
+)
+def test_a_full_disk_in_process_mode_is_one_line_without_the_checkpoint_process_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """DCP's checkpoint process shares the training process's stderr (capfd reads the descriptor): it
+    printed its own 25-line traceback of the failed save before the training process's one line."""
+    real_stage = Checkpointer._stage
+
+    def stage_onto_a_full_disk(self: Checkpointer, tensors: dict) -> dict:
+        for tmp in self.folder.glob("step_*.tmp"):  # the file the checkpoint process writes next
+            (tmp / "__0_0.distcp").symlink_to("/dev/full")
+        return real_stage(self, tensors)
+
+    monkeypatch.setattr(Checkpointer, "_stage", stage_onto_a_full_disk)
+    with pytest.raises(CheckpointError, match="no space left on device while saving checkpoint step 1"):
+        fit(["trainer.steps=1", "model.n_layers=1", "checkpoint.async_mode=process"], tmp_path)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Checkpoint save failed" not in err, err
+    assert not (tmp_path / "checkpoints" / "step_0000001").exists()
+
+
 def test_process_mode_refuses_an_entry_script_without_a_main_guard(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

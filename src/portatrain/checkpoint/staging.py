@@ -9,7 +9,9 @@ training goes on (``checkpoint.async_mode=thread|process``).
   ``async_save`` block for 17-20% of a synchronous save; a copy into warm buffers is a ``memcpy``;
 - :class:`AlreadyStaged` -- the ``AsyncStager`` handed to ``dcp.async_save``, which then stages
   nothing itself;
-- :func:`stop_checkpoint_process` -- ends DCP's checkpoint process (``process`` mode) with the run.
+- :func:`stop_checkpoint_process` -- ends DCP's checkpoint process (``process`` mode) with the run;
+- :func:`quiet_checkpoint_process` -- keeps that process off the training process's stderr (a failed
+  save is the parent's one line, not the process's traceback before it).
 
 The upload runs in ``torch.distributed.checkpoint.async_save``'s thread or process; what comes after
 it (agreeing on success, renaming the checkpoint in, rotation) is the :class:`Checkpointer`'s.
@@ -41,6 +43,8 @@ class Stager:
     def __init__(self, *, synchronize: Callable[[], None] | None, share_memory: bool) -> None:
         self.synchronize = synchronize  # pinned buffers and asynchronous copies when given
         self.share_memory = share_memory
+        if share_memory:  # the copy goes to DCP's checkpoint process, started at the first save
+            quiet_checkpoint_process()
         self._buffers: dict[str, Any] | None = None
         self._layout: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None
 
@@ -121,3 +125,32 @@ def stop_checkpoint_process() -> None:
         process._save_process.join(timeout=60)
     except (OSError, ValueError) as exc:  # it is gone already
         logger.debug("checkpoint process: %s", exc)
+
+
+def quiet_checkpoint_process() -> None:
+    """Start DCP's checkpoint process (``async_mode=process``) without its log handler.
+
+    DCP's process entry (``_AsyncCheckpointProcess._checkpointing_subprocess`` in
+    ``torch/distributed/checkpoint/_async_process_executor.py``) puts an INFO handler on its root logger,
+    on the stderr it shares with the training process: every save printed five lines, and a failed one
+    its whole traceback (25 lines for a full disk) before the training process's one-line error. Every
+    outcome already reaches the training process, which reports it: the result or the exception
+    through the process's pipe, its death as the pipe's end. So the entry is wrapped to log nothing.
+    Idempotent; takes effect for a checkpoint process started afterwards.
+    """
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    process = executor._AsyncCheckpointProcess
+    if process._checkpointing_subprocess is not _quiet_checkpointing_subprocess:
+        process._checkpointing_subprocess = staticmethod(_quiet_checkpointing_subprocess)
+
+
+def _quiet_checkpointing_subprocess(pg_init_info: Any, parent_conn: Any) -> None:
+    """DCP's checkpoint process entry, logging nothing. It runs in the process DCP spawns, where DCP's
+    class is freshly imported (unwrapped): the call below is DCP's own entry."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    executor._init_logger = lambda rank: None
+    # No handler would bring in logging's last resort, which prints warnings and errors to stderr.
+    logging.getLogger().addHandler(logging.NullHandler())
+    executor._AsyncCheckpointProcess._checkpointing_subprocess(pg_init_info, parent_conn)
