@@ -205,3 +205,28 @@ def test_parity_command_loads_no_checkpoint(tmp_path: Path) -> None:
     for reference in (True, False):
         side = _derived(cfg, "cpu", tmp_path / "side", reference)
         assert side.checkpoint.enabled is False and side.checkpoint.resume == "none"
+
+
+@pytest.mark.parametrize("name", ["trainer_state.json", "dataloader_rank0.json"])
+def test_an_edited_json_file_is_refused_by_its_digest(
+    run_copy: Path, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The JSON beside the tensors (step, schedule, data position) is checked like the tensors: a
+    well-formed edit (one number changed) is found by the SHA-256 written with it."""
+    import json
+
+    file = _step(run_copy, 3) / name
+    state = json.loads(file.read_text())
+    assert len(state["sha256"]) == 64
+    if name == "trainer_state.json":
+        state["tokens_seen"] += 1
+    else:
+        state["_index_sampler_state"]["batches_yielded"] -= 1
+    file.write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match="changed after it was saved") as info:
+        _resume(run_copy, f"checkpoint.resume={_step(run_copy, 3)}")
+    assert str(file) in str(info.value) and "\n" not in str(info.value)
+    if name == "trainer_state.json":  # found without reading tensors: auto takes the one before
+        with caplog.at_level(logging.WARNING):
+            trainer = _resume(run_copy, "checkpoint.resume=auto")
+        assert trainer.resume_from.name == "step_0000002"

@@ -53,6 +53,7 @@ from portatrain.checkpoint.safe_metadata import UnsafeMetadataError, safe_reader
 from portatrain.checkpoint.verify import (
     ALGORITHM,
     DamagedCheckpointError,
+    check_json_digest,
     checksums,
     flat_tensors,
     state_bytes,
@@ -116,7 +117,7 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
             f"checkpoint file {file} is damaged: {', '.join(wrong)} (the file was edited or truncated); "
             "resume from an earlier step_* directory"
         )
-    return state
+    return check_json_digest(file, state, "resume from an earlier step_* directory")
 
 
 # What a resume reads from trainer_state.json, and its JSON type.
@@ -594,7 +595,7 @@ def _read_loader_state(path: Path, rank: int) -> dict[str, Any] | None:
         raise CheckpointError(
             f"checkpoint file {file} holds a JSON {type(value).__name__}, not a loader state; {fix}"
         )
-    return value
+    return None if value is None else check_json_digest(file, value, fix)
 
 
 # Optimizer hyper-parameters compared on resume (and the config key that sets each).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -43,8 +44,23 @@ def some(keys: list[str], limit: int = 6) -> str:
     return ", ".join(keys[:limit]) + more
 
 
+DIGEST_KEY = "sha256"
+"""The key under which a checkpoint's JSON object carries the SHA-256 of the rest of itself."""
+
+
+def json_digest(value: Any) -> str:
+    """SHA-256 of ``value``'s canonical JSON text, as it reads back (int keys become strings, so the
+    digest of what was written equals the digest of what is read)."""
+    canonical = json.dumps(json.loads(json.dumps(value)), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 def write_json(path: Path, value: Any) -> None:
+    """Write a checkpoint's JSON file; an object also carries its own :func:`json_digest` under
+    :data:`DIGEST_KEY`, which the readers check (``verify.check_json_digest``)."""
     try:
+        if isinstance(value, dict):
+            value = {**value, DIGEST_KEY: json_digest(value)}
         text = json.dumps(value, indent=1)
     except TypeError as exc:
         raise TypeError(f"checkpoint state for {path.name} must be JSON-serializable: {exc}") from None

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from portatrain.checkpoint.common import CheckpointError, get_rank, some
+from portatrain.checkpoint.common import DIGEST_KEY, CheckpointError, get_rank, json_digest, some
 
 ALGORITHM = "wrapping-int-sum/1"
 """Names the checksum recorded in ``trainer_state.json``; another name is not checked."""
@@ -45,6 +45,19 @@ class DamagedCheckpointError(CheckpointError):
     ``checkpoint.resume=auto`` skips such a checkpoint and loads the one before it; an explicit
     ``checkpoint.resume=PATH`` to it is this error.
     """
+
+
+def check_json_digest(file: Path, value: dict[str, Any], fix: str) -> dict[str, Any]:
+    """``value`` (a checkpoint JSON object just read from ``file``) without its digest, after checking
+    the digest matches the rest; a file written before digests existed has none and is taken as is."""
+    value = dict(value)
+    recorded = value.pop(DIGEST_KEY, None)
+    if recorded is not None and recorded != json_digest(value):
+        raise DamagedCheckpointError(
+            f"checkpoint file {file} was changed after it was saved (its content no longer matches the "
+            f"SHA-256 written with it); {fix}"
+        )
+    return value
 
 
 def flat_tensors(tree: Mapping[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
