@@ -84,3 +84,52 @@ def test_neuron_cache_env_points_into_the_cache_unless_set(tmp_path: Path, monke
     monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", "s3://bucket/cache")
     env = NeuronAccelerator().compile_cache_env(tmp_path)
     assert env == {"TORCH_NEURONX_NEFF_CACHE_DIR": str((tmp_path / "neuron").resolve())}
+
+
+def test_the_artifacts_file_is_checksummed_and_a_damaged_one_is_not_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What ``load_cache_artifacts`` is handed is exactly what ``save_cache_artifacts`` gave; a file
+    whose bytes changed (or that carries no checksum) is named in one warning and not loaded."""
+    import torch
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    import portatrain.compile.cache as cache_module
+
+    # activate() switches these on for the process, and sets the environment (deactivate() restores it).
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", inductor_config.fx_graph_cache)
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", functorch_config.enable_autograd_cache)
+    payload = b"\x80\x04compiled graphs" * 100
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (payload, None))
+    loaded: list[bytes] = []
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: loaded.append(data))
+    graphs = iter(range(10))
+    monkeypatch.setattr(cache_module, "dynamo_graph_count", lambda: next(graphs))
+
+    def start() -> CompileCache:
+        cache = CompileCache(tmp_path)
+        cache.activate()
+        cache.deactivate()
+        return cache
+
+    writer = start()
+    assert writer.save_if_compiled()  # a graph was compiled since activate()
+    start()
+    assert loaded == [payload]
+
+    path = tmp_path / CompileCache.ARTIFACTS
+    sealed = path.read_bytes()
+    for damaged, why in (
+        (sealed[:-1] + b"X", "its SHA-256 does not match"),
+        (sealed[: len(sealed) // 2], "its SHA-256 does not match"),
+        (payload, "it has no portatrain checksum header"),
+    ):
+        path.write_bytes(damaged)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="portatrain.compile.cache"):
+            start()
+        assert loaded == [payload], "a damaged artifacts file was handed to torch"
+        (record,) = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert str(path) in record.getMessage() and why in record.getMessage(), record.getMessage()
+        assert "compiled again" in record.getMessage()

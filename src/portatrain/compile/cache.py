@@ -5,10 +5,19 @@ Inductor's on-disk caches (FX graph cache, AOTAutograd cache) pointed at ``<run_
 after each step that compiled, ``load_cache_artifacts`` at start-up), plus the vendor compiler's own
 cache where the accelerator adapter names one (``Accelerator.compile_cache_env``). A restart after
 preemption then finds every graph compiled; dynamo still traces each (seconds, not minutes).
+
+The artifacts file starts with one JSON line naming the torch that wrote it and the SHA-256 of the
+artifacts after it; a file whose artifacts do not match (overwritten, truncated, written by an older
+portatrain) or that another torch wrote is not loaded: one warning names it, the graphs are compiled
+again and the file rewritten. A cache is only time, so a bad one is skipped rather than fatal. The
+checksum finds damage, not forgery: the cache holds pickles and generated code that run in this
+process, so a shared ``compile.cache_dir`` must be writable only by whom you would let run code.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -39,6 +48,8 @@ class CompileCache:
                                        (and the Triton cache on CUDA, which inductor keeps below it)
         portable_artifacts.bin         torch.compiler.save_cache_artifacts() of this run's compilations
         <vendor>/                      the vendor compiler's cache (adapter's compile_cache_env)
+
+    (``portable_artifacts.bin`` is sealed: a header line with its SHA-256, checked before loading.)
 
     Inductor's on-disk caches are enough on the same machine; the artifacts file is what survives a
     restart on another node with a node-local cache (``compile.cache_dir`` on local disk) and what
@@ -86,8 +97,15 @@ class CompileCache:
         os.environ.update(env)
         inductor_config.fx_graph_cache = True
         functorch_config.enable_autograd_cache = True
-        if self.artifacts_path.is_file():
-            info = torch.compiler.load_cache_artifacts(self.artifacts_path.read_bytes())
+        artifacts, problem = _unsealed(self.artifacts_path)
+        if problem is not None:
+            logger.warning(
+                "compile cache %s: %s; not loaded: the graphs are compiled again and the file rewritten",
+                self.artifacts_path,
+                problem,
+            )
+        elif artifacts is not None:
+            info = torch.compiler.load_cache_artifacts(artifacts)
             self.loaded = _artifact_counts(info)
             logger.info(
                 "compile cache %s: loaded portable artifacts (%s)",
@@ -121,7 +139,7 @@ class CompileCache:
             return False
         artifacts, info = saved
         tmp = self.artifacts_path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(artifacts)
+        tmp.write_bytes(_sealed(artifacts))
         tmp.replace(self.artifacts_path)  # atomic: a restart never reads half a file
         logger.info(
             "compile cache: saved %s (%.1f MB; %s)",
@@ -130,6 +148,36 @@ class CompileCache:
             ", ".join(f"{k} {v}" for k, v in _artifact_counts(info).items()),
         )
         return True
+
+
+_FORMAT = "portatrain-compile-artifacts/1"
+
+
+def _sealed(artifacts: bytes) -> bytes:
+    """``artifacts`` behind their header line: the format, the torch that wrote them, their SHA-256."""
+    header = {"format": _FORMAT, "torch": torch.__version__, "sha256": hashlib.sha256(artifacts).hexdigest()}
+    return json.dumps(header).encode() + b"\n" + artifacts
+
+
+def _unsealed(path: Path) -> tuple[bytes | None, str | None]:
+    """``(artifacts, None)`` of a sound file at ``path``; ``(None, why)`` when it must not be loaded;
+    ``(None, None)`` when there is none."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None, None
+    line, _, artifacts = data.partition(b"\n")
+    try:
+        header = json.loads(line)
+    except ValueError:
+        header = None
+    if not isinstance(header, dict) or header.get("format") != _FORMAT:
+        return None, "it has no portatrain checksum header (written by an older portatrain, or not ours)"
+    if header.get("sha256") != hashlib.sha256(artifacts).hexdigest():
+        return None, "its SHA-256 does not match the one written with it (the file is damaged)"
+    if header.get("torch") != torch.__version__:
+        return None, f"it was written by torch {header.get('torch')}, this is torch {torch.__version__}"
+    return artifacts, None
 
 
 def _artifact_counts(info: Any) -> dict[str, int]:
