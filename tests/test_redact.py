@@ -56,6 +56,11 @@ def test_credentials_inside_text_keep_the_rest() -> None:
     assert redact_text("+parallel.launch.env.GITHUB_PAT=xyz") == f"+parallel.launch.env.GITHUB_PAT={REDACTED}"
     assert redact_text("postgres://me:s3cret@db:5432/x") == f"postgres://me:{REDACTED}@db:5432/x"
     assert redact_text('export HF_TOKEN="${HF_TOKEN:?missing}"') == 'export HF_TOKEN="${HF_TOKEN:?missing}"'
+    # A comma-joined override list (Hydra's override_dirname): each assignment on its own.
+    assert redact_text("+e.DB=postgres://u:pw@h/x,+e.HF_TOKEN=abc123secret,+e.API_KEY=k,steps=2") == (
+        f"+e.DB=postgres://u:{REDACTED}@h/x,+e.HF_TOKEN={REDACTED},+e.API_KEY={REDACTED},steps=2"
+    )
+    assert redact_text("HF_TOKEN=a,b") == f"HF_TOKEN={REDACTED}"  # a comma inside a value is the value's
     for ordinary in (
         "0123456789abcdef0123456789abcdef01234567",  # a git sha or checksum
         "runs/debug/20261201-211700",
@@ -105,9 +110,10 @@ def test_rendered_jobs_never_hold_a_pat_or_a_token_shaped_value(scheduler: str) 
         "parallel.launch.efa=0",
         f"+parallel.launch.env.GITHUB_PAT={GITHUB}",
         f"+parallel.launch.env.MY_VAR={HUGGING_FACE}",
+        "+parallel.launch.env.HF_TOKEN=abc123secret",  # a secret by its name only
     ]
     text = render_job(compose_config(overrides), overrides).text
-    assert GITHUB not in text and HUGGING_FACE not in text
+    assert GITHUB not in text and HUGGING_FACE not in text and "abc123secret" not in text
     assert "GITHUB_PAT" in text and "MY_VAR" in text  # named, read from the environment / a Secret
 
 
@@ -117,7 +123,7 @@ def test_render_refuses_a_credential_outside_launch_env() -> None:
         render_job(compose_config(overrides), overrides)
 
 
-@pytest.mark.parametrize("what", ["job", "all"])
+@pytest.mark.parametrize("what", ["job", "hydra", "all"])
 def test_cfg_prints_the_config_redacted(
     what: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -125,10 +131,17 @@ def test_cfg_prints_the_config_redacted(
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["portatrain"])
-    main(argv=["--cfg", what, f"+parallel.launch.env.GITHUB_PAT={GITHUB}", f"+parallel.launch.env.X={JWT}"])
+    # Hydra's override_dirname joins the overrides, sorted, with commas: a plain value first.
+    secrets = [f"+parallel.launch.env.GITHUB_PAT={GITHUB}", f"+parallel.launch.env.X={JWT}"]
+    secrets += ["+parallel.launch.env.HF_TOKEN=abc123secret", "+parallel.launch.env.DB=postgres://u:pw9@h/x"]
+    main(argv=["--cfg", what, *secrets, "trainer.steps=2"])
     out = capsys.readouterr().out
-    assert GITHUB not in out and JWT not in out
-    assert "GITHUB_PAT: '***'" in out and "X: '***'" in out and "recipe: debug" in out
+    assert GITHUB not in out and JWT not in out and "abc123secret" not in out and "pw9" not in out
+    if what != "hydra":
+        assert "GITHUB_PAT: '***'" in out and "X: '***'" in out and "recipe: debug" in out
+    if what != "job":
+        assert "- +parallel.launch.env.HF_TOKEN=***" in out  # hydra.overrides.task
+        assert ",+parallel.launch.env.HF_TOKEN=***,+parallel.launch.env.X=***,trainer.steps=2" in out
     assert not list(tmp_path.iterdir())  # printing the config makes no run directory
 
 

@@ -9,8 +9,10 @@ the tracker's own tools.
   port, with its store in a temporary folder; it is stopped (its whole process group) when the module
   ends. Metrics and the config are read back through ``MlflowClient``.
 
-Both check that a resumed run continues the same tracker run (one curve), and that a secret in the
-config reaches neither tracker. Each test skips, saying so, where its package is not installed.
+Both check that a resumed run continues the same tracker run (one curve). For each tracker, W&B,
+MLflow and TensorBoard, a secret on the command line (``sys.argv``, which W&B records) and in the config
+must appear in none of the tracker's own files. Each test skips, saying so, where its package is not
+installed.
 """
 
 from __future__ import annotations
@@ -55,6 +57,17 @@ SECRET = ["+parallel.launch.env.WANDB_API_KEY=topsecret-value"]  # redacted by i
 RESUME = ["trainer.steps=6", "checkpoint.resume=auto"]
 
 
+def _on_the_command_line(monkeypatch: pytest.MonkeyPatch, overrides: list[str]) -> None:
+    """``sys.argv`` as ``portatrain OVERRIDES...`` leaves it: a tracker that records the command line
+    (W&B does) sees the secret there as well as in the config."""
+    monkeypatch.setattr(sys, "argv", ["portatrain", *overrides])
+
+
+def _files_holding(root: Path, secret: bytes) -> list[Path]:
+    """The files under ``root`` whose bytes hold ``secret``."""
+    return [p for p in root.rglob("*") if p.is_file() and secret in p.read_bytes()]
+
+
 def _tracker_ids(run_dir: Path) -> dict:
     return json.loads((run_dir / TRACKERS_FILE).read_text())
 
@@ -83,8 +96,22 @@ def _wandb_records(path: Path) -> Iterator:
             yield record
 
 
+def _ends_with_exit(path: Path) -> bool:
+    try:
+        return [r.WhichOneof("record_type") for r in _wandb_records(path)][-1:] == ["exit"]
+    except Exception:  # a record half written
+        return False
+
+
 def _wandb_run(path: Path) -> tuple[str, dict[str, str], dict[int, dict[str, float]]]:
-    """A transaction log's run id, config (key -> JSON) and history (step -> name -> value)."""
+    """A transaction log's run id, config (key -> JSON) and history (step -> name -> value).
+
+    ``run.finish()`` can return before W&B's service has written the log (seen: a resumed run's log
+    still its 7-byte header), so the log is read once it ends with its ``exit`` record (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while not _ends_with_exit(path):
+        assert time.monotonic() < deadline, f"{path} has no exit record after 30 s"
+        time.sleep(0.2)
     run_id, config, history = "", {}, {}
     for record in _wandb_records(path):
         kind = record.WhichOneof("record_type")
@@ -107,6 +134,7 @@ def test_wandb_offline_run_continues_after_resume_with_config_redacted(
 ) -> None:
     for var in ("WANDB_MODE", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_RESUME"):
         monkeypatch.delenv(var, raising=False)
+    _on_the_command_line(monkeypatch, ["metrics.wandb=true", *SECRET])
     fit(["metrics.wandb=true", *SECRET], tmp_path)
     run_id = _tracker_ids(tmp_path)["wandb"]["run_id"]
     fit(["metrics.wandb=true", *SECRET, *RESUME], tmp_path)
@@ -125,8 +153,9 @@ def test_wandb_offline_run_continues_after_resume_with_config_redacted(
 
     assert json.loads(config["parallel"])["launch"]["env"]["WANDB_API_KEY"] == "***"
     assert json.loads(config["trainer"])["steps"] == 4 and json.loads(config["recipe"]) == "debug"
-    for path in (tmp_path / "wandb").rglob("*"):
-        assert not path.is_file() or b"topsecret" not in path.read_bytes(), path
+    assert _files_holding(tmp_path / "wandb", b"topsecret") == []
+    # The command line is recorded, with the secret's value hidden.
+    assert all(b"WANDB_API_KEY=***" in p.read_bytes() for p in logs)
 
     out = subprocess.run(
         [sys.executable, "-m", "wandb", "sync", "--dry-run", *map(str, (p.parent for p in logs))],
@@ -146,9 +175,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """``mlflow server`` on 127.0.0.1 (a SQLite store in a temporary folder), started once for the
-    module, within 180 s, and stopped with its whole process group; yields its URI."""
+    module, within 180 s, and stopped with its whole process group; yields its URI and the folder
+    that holds its store and artifacts."""
     try:  # the full package: mlflow-skinny (the client) lacks the server's dependencies
         importlib.metadata.version("mlflow")
     except importlib.metadata.PackageNotFoundError:
@@ -175,7 +205,7 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             if server.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"mlflow server did not start:\n{(root / 'server.log').read_text()[-3000:]}")
             time.sleep(0.5)
-        yield uri
+        yield uri, root
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
@@ -194,11 +224,13 @@ def _restore_mlflow_http_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @needs_mlflow
 def test_mlflow_server_receives_metrics_and_redacted_config_and_a_resume_continues_the_run(
-    mlflow_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    mlflow_server: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from mlflow import MlflowClient
 
     _restore_mlflow_http_settings(monkeypatch)
+    mlflow_server, store = mlflow_server
+    _on_the_command_line(monkeypatch, [f"metrics.mlflow={mlflow_server}", *SECRET])
     fit([f"metrics.mlflow={mlflow_server}", *SECRET], tmp_path)
     ids = _tracker_ids(tmp_path)["mlflow"]
     assert ids["uri"] == mlflow_server
@@ -221,6 +253,19 @@ def test_mlflow_server_receives_metrics_and_redacted_config_and_a_resume_continu
     assert params["recipe"] == "debug" and params["data.seq_len"] == "64"
     assert params["trainer.steps"] == "4"  # MLflow keeps a param's first value; the resume added none
     assert not [k for k, v in params.items() if "topsecret" in v]
+    assert _files_holding(store, b"topsecret") == []  # the server's own store: params, tags, metrics
+
+
+# -- TensorBoard ------------------------------------------------------------------------------------------
+def test_tensorboard_files_hold_scalars_and_no_secret(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    overrides = ["trainer.steps=1", "metrics.tensorboard=true", *SECRET]
+    _on_the_command_line(monkeypatch, overrides)
+    fit(overrides, tmp_path)
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and b"train/loss" in events[0].read_bytes()
+    assert _files_holding(tmp_path / "tensorboard", b"topsecret") == []
 
 
 @needs_mlflow

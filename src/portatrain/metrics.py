@@ -14,9 +14,10 @@ What this file does:
 - experiment trackers, opt-in: ``WandbSink`` (``metrics.wandb=true``; offline into
   ``<run_dir>/wandb`` unless ``WANDB_MODE`` says otherwise) and ``MLflowSink``
   (``metrics.mlflow=URI``). They log the same scalars as TensorBoard, under the same names, and the
-  run's config redacted (``portatrain.redact``); their run ids are kept in ``<run_dir>/trackers.json``
-  so that a resumed run continues the same tracker run. A tracker that fails -- unreachable, refused,
-  gone mid-run -- costs one warning and is dropped; it never stops training.
+  run's config redacted (``portatrain.redact``; the command line W&B records too); their run ids are
+  kept in ``<run_dir>/trackers.json`` so that a resumed run continues the same tracker run. A tracker
+  that fails -- unreachable, refused, gone mid-run -- costs one warning and is dropped; it never stops
+  training.
   ``metrics_problems`` checks the settings before anything runs.
 
 MFU here is model FLOPs utilization in the PaLM sense: the FLOPs the model needs per real token
@@ -33,9 +34,11 @@ import math
 import os
 import re
 import socket
+import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -340,6 +343,22 @@ def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return flat
 
 
+@contextmanager
+def _redacted_argv() -> Iterator[None]:
+    """``sys.argv`` with its credentials redacted (``portatrain.redact.redact_text``) while W&B starts.
+
+    W&B records the command line in the run's metadata (``Settings._args`` is ``sys.argv[1:]``, read
+    when ``wandb.init`` hands its settings to the service: wandb/sdk/wandb_settings.py), and the command
+    line is where secrets arrive (``+parallel.launch.env.HF_TOKEN=...``). The rest of the metadata is
+    worth keeping, so W&B sees the arguments as the config shows them, not no arguments."""
+    argv = list(sys.argv)
+    sys.argv[1:] = [redact_text(arg) for arg in argv[1:]]
+    try:
+        yield
+    finally:
+        sys.argv[:] = argv
+
+
 class WandbSink:
     """Weights & Biases: scalars at the trainer's step, the redacted config as the run's config.
 
@@ -355,15 +374,16 @@ class WandbSink:
 
     def __init__(self, run_dir: Path, *, run_id: str | None, run_name: str, config: dict[str, Any]) -> None:
         wandb = _import_tracker("wandb")
-        self._run = wandb.init(
-            dir=str(run_dir),
-            mode=os.environ.get("WANDB_MODE") or "offline",
-            project=os.environ.get("WANDB_PROJECT") or "portatrain",
-            id=run_id,
-            resume="allow",
-            name=run_name,
-            config=config,
-        )
+        with _redacted_argv():
+            self._run = wandb.init(
+                dir=str(run_dir),
+                mode=os.environ.get("WANDB_MODE") or "offline",
+                project=os.environ.get("WANDB_PROJECT") or "portatrain",
+                id=run_id,
+                resume="allow",
+                name=run_name,
+                config=config,
+            )
         self.run_id = self._run.id
         self.where = str(Path(self._run.dir).parent)  # offline-run-*/ (run.dir is its files/)
 

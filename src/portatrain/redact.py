@@ -75,7 +75,13 @@ _TOKEN_SHAPES = re.compile(
     )
 )
 _URL_PASSWORD = re.compile(r"(?P<head>\b[a-z][a-z0-9+.-]*://[^\s:/@]+:)(?P<secret>[^\s@/]+)(?=@)")
-_ASSIGNMENT = re.compile(r"(?P<key>[A-Za-z_][A-Za-z0-9_.-]*)=(?P<value>\"[^\"]*\"|'[^']*'|[^\s;&|]+)")
+# A value ends at whitespace or a shell separator, or at the ``,`` before the next ``KEY=`` of a
+# comma-joined override list (Hydra's ``hydra.job.override_dirname``, printed by ``--cfg hydra``): a
+# value read to the end of the list would hide every assignment after the first behind it.
+_ASSIGNMENT = re.compile(
+    r"(?P<key>[A-Za-z_][A-Za-z0-9_.-]*)=(?P<value>\"[^\"]*\"|'[^']*'|[^\s;&|]+?)"
+    r"(?=$|[\s;&|]|,[+~]*[A-Za-z_][A-Za-z0-9_.-]*=)"
+)
 
 
 def is_secret_key(key: object) -> bool:
