@@ -144,6 +144,9 @@ def test_tasks_during_tensor_parallel_training_match_one_process_eval_of_its_che
             ["/no/such/run/step_0000009", "does not exist"],
         ),
         (["tasks=[]"], ["eval.tasks is empty"]),
+        # RULER's task builds its prompts with a Hugging Face tokenizer named in lm-eval's metadata, and
+        # its helpers import lm_eval[ruler]'s packages: either is named before the model is loaded.
+        (["tasks=niah_single_1"], ["lm-eval task 'niah_single_1'", "choose another task"]),
     ],
 )
 def test_bad_input_is_one_line(
@@ -165,6 +168,57 @@ def test_bad_input_is_one_line(
     assert status == 2 and "Traceback" not in err and len(problems) <= 1, err
     assert all(text in line for text in expected), line
     assert list(tmp_path.iterdir()) == []  # the run directory Hydra made is gone again
+
+
+LOCAL_TASK = """
+task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: generate_until
+test_split: test
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+"""
+
+
+def test_tasks_that_cannot_run_here_are_named_before_the_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task whose helpers import a missing package (RULER's need lm_eval[ruler]) and one that makes
+    its data from lm-eval metadata (custom_dataset: RULER's tokenizer) fail only inside lm-eval's run,
+    after the checkpoint's model was built; validation names each, whether asked for by name or group."""
+    from portatrain.config import EvalConfig
+    from portatrain.evaluation import task_problems
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    data = TASKS / "portatrain_tiny" / "generate.jsonl"
+    (tasks / "helpers.py").write_text("import no_such_package_for_portatrain_tests\n")
+    (tasks / "generated.py").write_text(
+        "def make(**metadata):\n    raise AssertionError('needs a tokenizer')\n"
+    )
+    (tasks / "extra.yaml").write_text(
+        LOCAL_TASK.format(name="needs_extra", data=data) + "process_results: !function helpers.score\n"
+    )
+    (tasks / "generated.yaml").write_text(
+        LOCAL_TASK.format(name="generated_data", data=data) + "custom_dataset: !function generated.make\n"
+    )
+    (tasks / "fine.yaml").write_text(LOCAL_TASK.format(name="fine", data=data))
+    (tasks / "group.yaml").write_text("group: all_three\ntask: [needs_extra, generated_data, fine]\n")
+    cfg = EvalConfig(include_path=[str(tasks)])
+    assert task_problems(cfg, ["fine"]) == []
+    generated, extra = task_problems(cfg, ["all_three"])  # in task-name order
+    assert extra.startswith("lm-eval task 'needs_extra' needs a package that is not installed: ")
+    assert "no_such_package_for_portatrain_tests" in extra
+    assert generated.startswith("lm-eval task 'generated_data' generates its data from lm-eval metadata")
+    assert "--tasks generated_data" in generated
+
+    monkeypatch.chdir(tmp_path)
+    status, err = run(["eval", *TINY, f"eval.include_path=[{tasks}]", "tasks=generated_data"], capsys)
+    assert status == 2 and "Traceback" not in err, err
+    assert [line for line in err.splitlines()[1:] if line.strip()] == [f"  - {generated}"]
 
 
 def test_training_logs_the_tasks_every_n_steps_without_changing_training(

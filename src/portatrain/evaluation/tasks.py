@@ -5,7 +5,9 @@
   and, only when a name is not found there, lm-eval's own task folders too: indexing lm-eval's
   ~15,000 built-in tasks costs seconds of CPU, which a local task never pays;
 - :func:`eval_problems` / :func:`task_problems` -- the config check: an unknown task is named with how to list tasks and
-  where local task files go (``portatrain.validate`` calls it before anything is built);
+  where local task files go, and a task that cannot run here is named with why (its Python helpers
+  need a package that is not installed; it builds its data from lm-eval metadata such as a tokenizer
+  name, which portatrain does not pass) -- ``portatrain.validate`` calls it before anything is built;
 - :func:`run_tasks` -- ``lm_eval.simple_evaluate`` on a :class:`~portatrain.evaluation.lm.PortatrainLM`,
   leaving the process's random states as they were (lm-eval seeds ``random``, NumPy and torch);
 - :func:`flat_metrics` -- lm-eval's results as ``{"eval/<task>/<metric>": value}`` for the metric sinks.
@@ -119,9 +121,87 @@ def task_problems(cfg: EvalConfig, names: Sequence[str]) -> list[str]:
         import lm_eval  # noqa: F401
     except ImportError:
         return [f"lm-eval tasks {list(names)} need the lm-eval package: pip install 'portatrain[eval]'"]
-    unknown = _unknown(task_manager(names, cfg.include_path), names)
+    manager = task_manager(names, cfg.include_path)
+    unknown = _unknown(manager, names)
     if unknown:
         problems.append(f"unknown lm-eval task(s) {', '.join(map(repr, unknown))}: {LIST_TASKS_HINT}")
+        return problems
+    return _unrunnable(manager, names)
+
+
+def _unrunnable(manager: Any, names: Sequence[str]) -> list[str]:
+    """Why tasks among ``names`` (groups and tags expanded) cannot run on a portatrain model, each
+    one line: their YAML's Python helpers import a package that is missing (RULER's need
+    ``lm_eval[ruler]``: lm-eval raised it only after the model was loaded), or they generate their
+    data with ``custom_dataset`` from lm-eval's metadata (RULER's ``niah_*`` size their prompts with a
+    Hugging Face tokenizer named there), which ``run_tasks`` does not pass.
+
+    Reads lm-eval's task index (``lm_eval/tasks/_index.py``, ``_yaml_loader.py`` of lm-eval 0.4.13);
+    an lm-eval without them is not checked here (its own error then comes at run time).
+    """
+    try:
+        from lm_eval.tasks._index import Kind, TaskIndex
+        from lm_eval.tasks._yaml_loader import load_yaml
+    except ImportError:
+        return []
+    index = manager.task_index
+    leaves: dict[str, Any] = {}  # task name -> its Entry, or its inline config (a dict)
+
+    def expand(item: Any, seen: frozenset[str] = frozenset()) -> None:
+        if isinstance(item, dict):  # a group's member by config: a known one (with overrides), or inline
+            ref = item.get("group") if "group" in item else item.get("task")
+            if isinstance(ref, str) and ref in index:
+                expand(ref, seen)
+            elif "group" in item:
+                members = item.get("task") or []
+                for member in members if isinstance(members, list) else [members]:
+                    expand(member, seen)
+            elif isinstance(ref, str):
+                leaves.setdefault(ref, item)
+            return
+        if item in seen:
+            return
+        entry = index.get(item)
+        if entry is None and str(item).endswith((".yaml", ".yml")):
+            entry = TaskIndex.entry_from_path(Path(item))
+        if entry is None:
+            return
+        if entry.kind == Kind.TAG:
+            for member in sorted(entry.tags):
+                expand(member, seen | {item})
+        elif entry.kind == Kind.GROUP:
+            config = load_yaml(entry.yaml_path, resolve_func=False) if entry.yaml_path else entry.cfg or {}
+            members = config.get("task") or []
+            for member in members if isinstance(members, list) else [members]:
+                expand(member, seen | {item})
+        else:
+            leaves.setdefault(entry.name, entry)
+
+    for name in names:
+        expand(name)
+    problems = []
+    for task, entry in sorted(leaves.items()):
+        if isinstance(entry, dict):
+            config = entry
+        elif entry.yaml_path is None:
+            continue  # a Python-defined task: nothing to read ahead
+        else:
+            try:
+                config = load_yaml(entry.yaml_path, resolve_func=True)
+            except ImportError as exc:
+                reason = " ".join(str(exc).split())
+                problems.append(
+                    f"lm-eval task {task!r} needs a package that is not installed: {reason} "
+                    "(an extra of lm-eval's; install it, or choose another task)"
+                )
+                continue
+        if "custom_dataset" in config:
+            problems.append(
+                f"lm-eval task {task!r} generates its data from lm-eval metadata (e.g. a Hugging Face "
+                "tokenizer name to size its prompts), which portatrain does not pass; run it with lm-eval "
+                "on the checkpoint's export (portatrain export, then lm-eval run --model hf --model_args "
+                f"pretrained=OUT --tasks {task}), or choose another task"
+            )
     return problems
 
 
