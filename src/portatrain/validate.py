@@ -144,7 +144,8 @@ def _dpo_step_problems(cfg: Config) -> list[str]:
         if degree > 1:
             problems.append(
                 f"parallel.{axis}={degree} with finetune.method=dpo: DPO's step runs the whole model on "
-                f"whole rows, not {what}; set parallel.{axis}=1 (parallel.dp_shard spreads DPO over more devices)"
+                f"whole rows, not {what}; set parallel.{axis}=1 (parallel.dp_shard spreads DPO over "
+                "more devices)"
             )
     return problems
 
