@@ -253,6 +253,34 @@ def test_damaged_prepared_index_is_named(tmp_path: Path, capsys: pytest.CaptureF
         PreparedCorpus(tmp_path / "c").lengths([0, 1])
 
 
+# -- keys the schema lacks -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("override", "nearest"),
+    [
+        ("trainer.stepz=50", "trainer.steps"),
+        ("+trainer.stepz=50", "trainer.steps"),  # Hydra's own hint: it trained 4 steps, `stepz: 50` kept
+        ("++optim.lrr=1", "optim.lr"),
+        ("trainr.steps=3", "trainer.steps"),
+        ("trainer.lr=1", "optim.lr"),
+    ],
+)
+def test_a_key_the_schema_lacks_names_the_nearest_key_and_never_suggests_plus(
+    override: str, nearest: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, err = run(["plan", *TINY, override], capsys)
+    line = one_line_error(err, "plan")
+    assert status == 2 and line.endswith(f"did you mean {nearest}?"), line
+    assert f"{override}: {override.lstrip('+').split('=')[0]} is not a key of the config" in line
+    assert "To append" not in err and "use +" not in err
+    nothing_left(tmp_path)
+
+
+def test_plus_still_adds_a_launch_environment_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    status, err = run(["--cfg", "job", *TINY, "+parallel.launch.env.NCCL_DEBUG=WARN"], capsys)
+    assert status == 0, err
+    assert "NCCL_DEBUG: WARN" in capsys.readouterr().out
+
+
 # -- export -------------------------------------------------------------------------------------------
 def test_export_shard_size_zero_is_refused(checkpoint: Path, tmp_path: Path, capsys) -> None:
     status, err = run(["export", f"checkpoint={checkpoint}", "out=hf", "export.max_shard_size=0"], capsys)

@@ -8,12 +8,14 @@ One error path for every command (:func:`_report_user_errors`): an error the use
 full disk, a file where a directory belongs or a missing parent (``portatrain.errors.file_system_error``)
 -- is printed as one line, ``portatrain COMMAND: error: ...``, and the process exits with status 2;
 a run directory the command left empty is removed again. Anything else is a bug and keeps its
-traceback. Secrets are redacted in the config Hydra prints (``--cfg job|hydra|all``), as in every
-config portatrain writes (``portatrain.redact``).
+traceback. A key the typed schema lacks is such an error too, naming the nearest key
+(:func:`_checked_override_keys`). Secrets are redacted in the config Hydra prints
+(``--cfg job|hydra|all``), as in every config portatrain writes (``portatrain.redact``).
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 import warnings
@@ -40,7 +42,7 @@ from portatrain.commands import (
 )
 from portatrain.config import register_configs
 from portatrain.errors import ConfigError, UserError, file_system_error
-from portatrain.redact import redact, redacted_yaml
+from portatrain.redact import redact, redact_text, redacted_yaml
 
 
 def config_dir() -> str:
@@ -170,6 +172,95 @@ def _redacted_config_printing() -> Iterator[None]:
         Hydra.get_sanitized_cfg = original  # type: ignore[method-assign]
 
 
+@contextmanager
+def _checked_override_keys() -> Iterator[None]:
+    """A ``KEY=VALUE`` (or ``+KEY=VALUE``) override whose key is not in the typed schema is one line
+    naming the nearest key that is, exit 2 -- not Hydra's error, whose hint ("To append to your config
+    use +trainer.stepz=50") would add the misspelled key, train with the default and record the typo
+    in ``config.yaml``. ``+`` still adds keys where the schema has an open mapping
+    (``+parallel.launch.env.NAME=VALUE``), and Hydra's own keys (``hydra.*``) are Hydra's business.
+
+    Hydra 1.3 applies command-line overrides in ``ConfigLoaderImpl._apply_overrides_to_config``
+    (hydra/_internal/config_loader_impl.py) with no hook, so it is wrapped while Hydra runs, as
+    :func:`_redacted_config_printing` wraps the printing."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    original = ConfigLoaderImpl._apply_overrides_to_config
+
+    def checked(overrides: list[Any], cfg: DictConfig) -> None:
+        for override in overrides:  # one at a time: an earlier override may add a key a later one sets
+            problem = _unknown_key_problem(override, cfg)
+            if problem is not None:
+                raise _Abort(ConfigError(problem))
+            original([override], cfg)
+
+    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(checked)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ConfigLoaderImpl._apply_overrides_to_config = staticmethod(original)  # type: ignore[method-assign]
+
+
+def _unknown_key_problem(override: Any, cfg: DictConfig) -> str | None:
+    """Why ``override`` sets a key the typed schema lacks (with the nearest key), or None."""
+    key = override.key_or_group
+    if override.is_delete() or override.package is not None or key.split(".")[0] == "hydra":
+        return None
+    # Looked up unresolved: a key whose value is `???` or an interpolation exists all the same.
+    tree = OmegaConf.to_container(cfg, resolve=False)
+    tree.pop("hydra", None)
+    if _holds(tree, key):
+        return None
+    parent_key = key.rpartition(".")[0]
+    parent = OmegaConf.select(cfg, parent_key) if _holds(tree, parent_key) else None
+    if isinstance(parent, DictConfig) and OmegaConf.get_type(parent) is dict:
+        return None  # an open mapping (parallel.launch.env): `+` adds there, as Hydra's hint says
+    line = redact_text(override.input_line)
+    nearest = _nearest_key(tree, key)
+    hint = f"did you mean {nearest}?" if nearest else "`portatrain --help` lists every key"
+    if override.is_add() or override.is_force_add():
+        return (
+            f"{line}: {key} is not a key of the config, and `+` adds a key only to an open mapping "
+            f"(parallel.launch.env), not to the typed schema; {hint}"
+        )
+    return f"{line}: {key} is not a key of the config; {hint}"
+
+
+def _holds(tree: Any, key: str) -> bool:
+    """Whether the plain config ``tree`` has the dotted ``key`` (list items by index)."""
+    for part in key.split(".") if key else []:
+        if isinstance(tree, dict) and part in tree:
+            tree = tree[part]
+        elif isinstance(tree, list) and part.isdigit() and int(part) < len(tree):
+            tree = tree[int(part)]
+        else:
+            return False
+    return True
+
+
+def _nearest_key(tree: dict[str, Any], key: str) -> str | None:
+    """The key ``key`` was most likely meant to be: a close name beside it (``trainer.stepz`` ->
+    ``trainer.steps``), the same name in another section (``trainer.lr`` -> ``optim.lr``), else the
+    closest dotted key (``trainr.steps`` -> ``trainer.steps``)."""
+    keys = _dotted_keys(tree)
+    parent, _, name = key.rpartition(".")
+    siblings = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent]
+    close = difflib.get_close_matches(name, siblings, n=1)
+    if close:
+        return f"{parent}.{close[0]}" if parent else close[0]
+    same_name = [k for k in keys if k.rpartition(".")[2] == name]
+    return (same_name or difflib.get_close_matches(key, keys, n=1) or [None])[0]
+
+
+def _dotted_keys(tree: dict[str, Any], prefix: str = "") -> list[str]:
+    keys = []
+    for name, value in tree.items():
+        keys.append(f"{prefix}{name}")
+        if isinstance(value, dict):
+            keys += _dotted_keys(value, f"{prefix}{name}.")
+    return keys
+
+
 def _run(command: str, module: ModuleType, cfg: DictConfig, trainer_cls: type | None) -> None:
     from portatrain.validate import validate
 
@@ -231,7 +322,7 @@ def main(trainer_cls: type | None = None, argv: list[str] | None = None) -> None
             _remove_if_empty(HydraConfig.get().runtime.output_dir)
 
     app = hydra.main(config_path=config_dir(), config_name="config", version_base=None)(portatrain)
-    with _redacted_config_printing():
+    with _redacted_config_printing(), _checked_override_keys():
         _report_user_errors(command, app)
 
 
