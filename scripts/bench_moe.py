@@ -37,8 +37,9 @@ from collections.abc import Callable
 
 import torch
 
+from portatrain.accelerators.cpu import CPUAccelerator
 from portatrain.models.common.layers import FeedForward
-from portatrain.models.common.moe import MoE, grouped_mm, grouped_outer
+from portatrain.models.common.moe import MoE, configure_moe, grouped_mm, grouped_outer
 
 HF_IMPLEMENTATIONS = ("eager", "grouped_mm")
 
@@ -90,27 +91,27 @@ def _matmuls(moe: MoE, dense: FeedForward, x: torch.Tensor) -> dict[str, tuple[C
     dense_grad_out, dense_grad_gate_up = torch.randn_like(x), torch.randn(x.shape[0], dense_gate_up.shape[0])
     return {
         "gate_up forward": (
-            lambda: grouped_mm(rows, gate_up_proj.transpose(1, 2), offs),
+            lambda: grouped_mm(rows, gate_up_proj.transpose(1, 2), offs, True),
             lambda: x @ dense_gate_up.t(),
         ),
         "down forward": (
-            lambda: grouped_mm(hidden, down_proj.transpose(1, 2), offs),
+            lambda: grouped_mm(hidden, down_proj.transpose(1, 2), offs, True),
             lambda: dense_hidden @ dense_down.t(),
         ),
         "down input grad": (
-            lambda: grouped_mm(grad_out, down_proj, offs),
+            lambda: grouped_mm(grad_out, down_proj, offs, True),
             lambda: dense_grad_out @ dense_down,
         ),
         "gate_up input grad": (
-            lambda: grouped_mm(grad_gate_up, gate_up_proj, offs),
+            lambda: grouped_mm(grad_gate_up, gate_up_proj, offs, True),
             lambda: dense_grad_gate_up @ dense_gate_up,
         ),
         "down weight grad": (
-            lambda: grouped_outer(grad_out, hidden, offs),
+            lambda: grouped_outer(grad_out, hidden, offs, True),
             lambda: dense_grad_out.t() @ dense_hidden,
         ),
         "gate_up weight grad": (
-            lambda: grouped_outer(grad_gate_up, rows, offs),
+            lambda: grouped_outer(grad_gate_up, rows, offs, True),
             lambda: dense_grad_gate_up.t() @ x,
         ),
     }
@@ -141,7 +142,15 @@ def measure(
     moe.init_weights(0.02, 0.02)
     capacity = MoE(dim, width, experts, top_k, norm_topk_prob=True)
     capacity.load_state_dict(moe.state_dict())
-    capacity.dispatch = "capacity"
+    for layer, dispatch in ((moe, "dropless"), (capacity, "capacity")):
+        # The trainer's settings on CPU: its adapter says torch._grouped_mm runs here.
+        configure_moe(
+            layer,
+            dispatch=dispatch,
+            capacity_factor=1.25,
+            aux_loss_scale=1.0,
+            supports_grouped_mm=CPUAccelerator().supports_grouped_mm,
+        )
     dense = FeedForward(dim, top_k * width)
     dense.init_weights(0.02, 0.02)
     x = torch.randn(tokens, dim, requires_grad=True)

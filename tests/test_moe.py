@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from portatrain.models.common import moe as moe_mod
 from portatrain.models.common.moe import MoE, grouped_linear, routing_stats
 from tests.helpers import ROOT, TINY, fit, read_metrics, run_cli
 from tests.test_command_errors import run
@@ -115,21 +114,29 @@ def test_aux_loss_equals_transformers_and_reaches_the_router_gradient() -> None:
     assert not torch.allclose(weighted.gate.weight.grad, plain.gate.weight.grad)
 
 
+native_mm = torch._grouped_mm
+
+
 def test_grouped_linear_ops_pass_torch_library_checks_and_the_loop_equals_native(monkeypatch) -> None:
     x = torch.randn(24, 16, requires_grad=True)
     w = torch.randn(3, 8, 16, requires_grad=True)
     offs = torch.tensor([5, 5, 24], dtype=torch.int32)  # an empty group in the middle
-    torch.library.opcheck(grouped_linear, (x, w, offs))
-    native = grouped_linear(x, w, offs)
+    for native in (True, False):
+        torch.library.opcheck(grouped_linear, (x, w, offs, native))
+    calls = []
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or native_mm(*a, **k))
+    native = grouped_linear(x, w, offs, True)
     grads = torch.autograd.grad(native.square().sum(), (x, w))
+    assert len(calls) == 3  # forward, input gradient, weight gradient: torch's kernel each time
     # An input that needs no gradient gets none (its grouped matmul is skipped); the weight's is unchanged.
-    (weight_only,) = torch.autograd.grad(grouped_linear(x.detach(), w, offs).square().sum(), (w,))
+    (weight_only,) = torch.autograd.grad(grouped_linear(x.detach(), w, offs, True).square().sum(), (w,))
     assert torch.equal(weight_only, grads[1])
-    monkeypatch.setattr(moe_mod, "_native_grouped_mm", lambda *tensors: False)
-    loop = grouped_linear(x, w, offs)
+    calls.clear()
+    loop = grouped_linear(x, w, offs, False)
     assert torch.allclose(loop, native, atol=1e-5)
     for a, b in zip(torch.autograd.grad(loop.square().sum(), (x, w)), grads, strict=True):
         assert torch.allclose(a, b, atol=1e-4)
+    assert calls == []  # the loop
 
 
 def test_trainer_picks_the_dispatch_logs_routing_and_compiles_once_per_shape(tmp_path: Path) -> None:

@@ -257,6 +257,7 @@ class Trainer:
             reduce_stats=partial(token_all_reduce, parallel_dims=self.parallel_dims)
             if self.parallel_dims.dp > 1 or self.context_parallel is not None
             else None,
+            supports_grouped_mm=self.accelerator.supports_grouped_mm,
         )
         # Routers balanced by a bias moved after each optimizer step (DeepSeek-V3), if any.
         self._balanced_routers = balanced_routers(model)

@@ -294,6 +294,13 @@ class Accelerator:
         """Measure :meth:`peak_flops` again, where it is a measurement (CPU); None for a datasheet figure."""
         return None
 
+    # -- kernels ---------------------------------------------------------------------------
+    def supports_grouped_mm(self, dtype: torch.dtype) -> bool:
+        """Whether ``torch._grouped_mm`` runs on this device in ``dtype`` (mixture-of-experts layers
+        then run their dropless experts as one grouped matmul, else as a loop over the experts).
+        False unless the adapter knows: a device whose torch build lacks the kernel would fail."""
+        return False
+
     def profiler_activities(self) -> list[torch.profiler.ProfilerActivity]:
         """``torch.profiler`` activities to record: host ops, plus this device's kernels where torch
         ships a profiler for its device type (CUDA, XPU, MTIA, HPU). Others record host ops only."""

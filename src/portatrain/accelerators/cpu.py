@@ -120,3 +120,8 @@ class CPUAccelerator(Accelerator):
         """A fresh measurement, over a longer budget than the first (which a busy machine can
         have slowed: the training loop then runs above it)."""
         return measured_matmul_flops.__wrapped__(dtype, torch.get_num_threads(), budget_s=1.0)
+
+    def supports_grouped_mm(self, dtype: torch.dtype) -> bool:
+        # torch's CPU kernel is a loop of mm/bmm over the groups (pytorch/pytorch
+        # aten/src/ATen/native/GroupedMMUtils.h, _grouped_mm_fallback); fp32 and bf16 tested here.
+        return dtype in (torch.float32, torch.bfloat16)

@@ -72,3 +72,9 @@ class CUDAAccelerator(Accelerator):
             precision = "tf32"
         tflops = lookup_peak_tflops(CUDA_PEAK_TFLOPS, self.device_name(), precision)
         return None if tflops is None else tflops * 1e12
+
+    def supports_grouped_mm(self, dtype: torch.dtype) -> bool:
+        # The fast kernel is CUTLASS's bf16 grouped GEMM for sm90+ (pytorch/pytorch
+        # aten/src/ATen/native/cuda/GroupedBlas.cpp); elsewhere torch loops on the host, after a
+        # device-to-host copy of the offsets, which the layer's own loop does no worse.
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(self.index) >= (9, 0)

@@ -82,6 +82,7 @@ def load_checkpoint_model(cfg: Config, checkpoint: Path) -> CheckpointModel:
         dispatch=moe_dispatch(cfg.model, static_shapes=accelerator.static_shapes),
         capacity_factor=cfg.model.capacity_factor,
         aux_loss_scale=0.0,
+        supports_grouped_mm=accelerator.supports_grouped_mm,
     )
     lora = state.get("lora")  # a LoRA fine-tune: its adapters, added as training added them
     model = parallelize_model(

@@ -52,7 +52,10 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.rmsnorm_fn(x, self.weight, self.eps)
+        # The gain in the input's dtype: under autocast a norm may see bf16 activations (per-head
+        # q/k norms, latent norms) beside its fp32 gain, and torch's fused rms_norm refuses mixed
+        # dtypes (it falls back to a slower composite and warns). A no-op when they already agree.
+        return self.rmsnorm_fn(x, self.weight.to(x.dtype), self.eps)
 
 
 class FeedForward(nn.Module):

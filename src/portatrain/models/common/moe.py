@@ -3,9 +3,10 @@
 What is here, top to bottom:
 
 * :func:`grouped_linear` -- ``x[offs[g-1]:offs[g]] @ w[g].T`` for every group ``g``, as custom ops:
-  ``torch._grouped_mm`` where it runs (CPU fp32 eager, CUDA bf16 on sm90+), a loop over the groups
-  elsewhere. Opaque to ``torch.compile`` (its output shape is static), so a compiled block never
-  traces the data-dependent group sizes.
+  ``torch._grouped_mm`` where the accelerator adapter says it runs in the dtype
+  (``Accelerator.supports_grouped_mm``: CPU fp32 and bf16, CUDA bf16 on sm90+; passed down by
+  :func:`configure_moe`), a loop over the groups elsewhere. Opaque to ``torch.compile`` (its output
+  shape is static), so a compiled block never traces the data-dependent group sizes.
 * :class:`Router` -- token-choice top-k over softmax scores, with optional renormalization of the
   top-k weights (Qwen 3 MoE's ``norm_topk_prob``).
 * :class:`BiasedRouter` -- DeepSeek-V3's: sigmoid scores, a per-expert bias added for selection
@@ -48,6 +49,10 @@ change any selection). The bias is a persistent buffer: checkpoints keep it and 
 Routing statistics accumulate in non-persistent buffers (no host sync); :func:`routing_stats`
 reads and resets them at logging steps.
 
+Precision: the router's scores, the routing statistics and the balance loss are fp32 whatever the
+compute dtype; tokens go to the experts in the dtype their matmuls run in (:func:`matmul_dtype`: bf16
+under autocast) and the experts' outputs are combined back in the activations' dtype.
+
 Expert parallelism is a slot, not a branch on the world: ``MoE.exchange`` is None on one device;
 the parallel stage (``portatrain.parallel.expert``) sets it to an object that carries the sorted rows
 (dropless) or the slot buffer (capacity) to the ranks holding their experts and back, and passes the
@@ -65,6 +70,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from portatrain.dtypes import DTYPES
 from portatrain.kernels.reference import swiglu
 from portatrain.models.common.layers import FeedForward, trunc_normal_
 
@@ -76,17 +82,11 @@ DISPATCH_MODES: tuple[str, ...] = ("dropless", "capacity")
 # ---------------------------------------------------------------------------------------------
 
 
-def _native_grouped_mm(*tensors: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` runs these inputs: CPU (fp32 eager), CUDA bf16 on sm90+; every
-    stride a multiple of 16 bytes."""
-    first = tensors[0]
-    if first.device.type == "cpu":
-        ok = first.dtype in (torch.float32, torch.bfloat16)
-    elif first.device.type == "cuda":
-        ok = first.dtype == torch.bfloat16 and torch.cuda.get_device_capability(first.device) >= (9, 0)
-    else:
-        return False
-    return ok and all(t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
+def _native_grouped_mm(native: bool, *tensors: torch.Tensor) -> bool:
+    """Whether to call ``torch._grouped_mm``: the device runs it in this dtype (``native``, the
+    accelerator adapter's answer, ``Accelerator.supports_grouped_mm``) and every row stride is a
+    multiple of 16 bytes (its alignment rule)."""
+    return native and all(t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
 
 
 def _group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
@@ -95,10 +95,10 @@ def _group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
 
 
 @torch.library.custom_op("portatrain::grouped_mm", mutates_args=())
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, native: bool) -> torch.Tensor:
     """``[N, K] x [G, K, M] -> [N, M]``: rows ``offs[g-1]:offs[g]`` of ``a`` times ``b[g]`` (``offs``:
-    int32 cumulative group ends, ``offs[-1] == N``)."""
-    if _native_grouped_mm(a, b):
+    int32 cumulative group ends, ``offs[-1] == N``); ``native``: ``torch._grouped_mm`` may run."""
+    if _native_grouped_mm(native, a, b):
         return torch._grouped_mm(a, b, offs=offs)
     out = a.new_empty(a.shape[0], b.shape[-1])
     for g, (start, end) in enumerate(_group_bounds(offs)):
@@ -107,14 +107,14 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 
 @grouped_mm.register_fake
-def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, native: bool) -> torch.Tensor:
     return a.new_empty(a.shape[0], b.shape[-1])
 
 
 @torch.library.custom_op("portatrain::grouped_outer", mutates_args=())
-def grouped_outer(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def grouped_outer(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, native: bool) -> torch.Tensor:
     """``[N, K], [N, M] -> [G, K, M]``: ``a[group].T @ b[group]`` per group (a weight gradient)."""
-    if _native_grouped_mm(a, b) and a.shape[0] * a.element_size() % 16 == 0:
+    if _native_grouped_mm(native, a, b) and a.shape[0] * a.element_size() % 16 == 0:
         return torch._grouped_mm(a.t(), b, offs=offs)
     out = a.new_zeros(offs.shape[0], a.shape[1], b.shape[1])
     for g, (start, end) in enumerate(_group_bounds(offs)):
@@ -123,33 +123,34 @@ def grouped_outer(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch
 
 
 @grouped_outer.register_fake
-def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, native: bool) -> torch.Tensor:
     return a.new_empty(offs.shape[0], a.shape[1], b.shape[1])
 
 
 @torch.library.custom_op("portatrain::grouped_linear", mutates_args=())
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, native: bool) -> torch.Tensor:
     """``nn.Linear`` per group: rows of group ``g`` times ``weight[g].T`` (``weight [G, out, in]``, the
     layout the experts store, so gradients come back in it with no copy)."""
-    return grouped_mm(x, weight.transpose(1, 2), offs)
+    return grouped_mm(x, weight.transpose(1, 2), offs, native)
 
 
 @grouped_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, native: bool) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[1])
 
 
 def _grouped_linear_setup(ctx, inputs, output) -> None:  # noqa: ANN001 (torch.library's signature)
-    x, weight, offs = inputs
+    x, weight, offs, native = inputs
     ctx.save_for_backward(x, weight, offs)
+    ctx.native = native
 
 
 def _grouped_linear_backward(ctx, grad: torch.Tensor):  # noqa: ANN001
     x, weight, offs = ctx.saved_tensors
     grad = grad.contiguous()
-    grad_x = grouped_mm(grad, weight, offs) if ctx.needs_input_grad[0] else None
-    grad_weight = grouped_outer(grad, x, offs) if ctx.needs_input_grad[1] else None
-    return grad_x, grad_weight, None
+    grad_x = grouped_mm(grad, weight, offs, ctx.native) if ctx.needs_input_grad[0] else None
+    grad_weight = grouped_outer(grad, x, offs, ctx.native) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_weight, None, None
 
 
 grouped_linear.register_autograd(_grouped_linear_backward, setup_context=_grouped_linear_setup)
@@ -170,7 +171,14 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(n_experts, dim))
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
-        """Router probabilities ``[T, n_experts]`` in fp32 (softmax over the experts)."""
+        """Router probabilities ``[T, n_experts]`` in fp32 (softmax over the experts).
+
+        The scoring matmul runs in the compute dtype (bf16 under autocast or a bf16 FSDP2 policy);
+        its logits are upcast before the softmax, on purpose: top-k selection, the routing weights
+        and the balance statistics are then decided at fp32 resolution (transformers' Qwen3MoE
+        softmaxes with ``dtype=torch.float``; torchtitan's ``TokenChoiceTopKRouter`` likewise). The
+        weights go back to the activations' dtype only where they scale the experts' activations.
+        """
         return F.softmax(F.linear(x, self.weight).float(), dim=-1)
 
     def init_weights(self, std: float) -> None:
@@ -230,6 +238,8 @@ class BiasedRouter(Router):
         self.load.zero_()
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 sigmoid, as the softmax above: the bias added to select, the group scores and the
+        # renormalized weights all live at fp32 resolution.
         return torch.sigmoid(F.linear(x, self.weight).float())
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -268,6 +278,12 @@ def _stored(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on ``x`` runs in: autocast's where it is on for ``x``'s device, else ``x``'s."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 class GroupedExperts(nn.Module):
     """``n_experts`` SwiGLU feed-forwards with stacked weights; ``swiglu_fn`` is the kernel slot."""
 
@@ -277,6 +293,9 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
         self.swiglu_fn = swiglu  # silu(gate) * up, unless a kernel override replaces it
         self.weight_view = _stored  # the weights as computed with (expert parallel: the local shard)
+        # Dtypes the device runs ``torch._grouped_mm`` in (set by ``configure_moe`` from the
+        # accelerator adapter); empty: the loop over the groups, which runs anywhere.
+        self.grouped_mm_dtypes: frozenset[torch.dtype] = frozenset()
 
     def init_weights(self, std: float, out_std: float) -> None:
         trunc_normal_(self.gate_up_proj, std)
@@ -284,26 +303,34 @@ class GroupedExperts(nn.Module):
 
     # Both take each row's routing weight and apply it to the SwiGLU activations (width ``hidden``)
     # rather than to the outputs (width ``dim``, larger): the down projection is linear, so the
-    # result is the same, with less memory traffic.
+    # result is the same, with less memory traffic. The fp32 routing weight is cast to the
+    # activations' dtype first (as transformers' MoE blocks do), so a bf16 product stays bf16 and
+    # the down projection's input is not promoted to fp32.
 
     # Under expert parallel the weights read through ``weight_view`` hold this rank's experts
     # only (a slice along dim 0), so ``n_experts`` below is however many experts they hold.
 
     def grouped(self, x: torch.Tensor, offs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Rows of ``x [N, dim]`` sorted by expert, group ends ``offs``, routing ``weights [N]``:
-        ``[N, dim]`` (dropless)."""
+        ``[N, dim]`` (dropless), in the dtype the matmuls ran in."""
         gate_up_proj, down_proj = self.weight_view(self.gate_up_proj), self.weight_view(self.down_proj)
-        gate, up = grouped_linear(x, gate_up_proj, offs).chunk(2, dim=-1)
-        return grouped_linear(self.swiglu_fn(gate, up) * weights[:, None], down_proj, offs)
+        # A custom op is opaque to autocast, which would leave these matmuls in fp32 (the weights'
+        # dtype) where every nn.Linear runs in bf16: apply autocast's rule for matmuls by hand.
+        dtype = matmul_dtype(x)
+        x, gate_up_proj, down_proj = x.to(dtype), gate_up_proj.to(dtype), down_proj.to(dtype)
+        native = dtype in self.grouped_mm_dtypes
+        gate, up = grouped_linear(x, gate_up_proj, offs, native).chunk(2, dim=-1)
+        hidden = self.swiglu_fn(gate, up) * weights[:, None].to(gate.dtype)
+        return grouped_linear(hidden, down_proj, offs, native)
 
     def batched(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each expert's slots ``x [n_experts, slots, dim]`` with routing ``weights [n_experts, slots]``:
-        ``[n_experts, slots, dim]`` (capacity)."""
+        ``[n_experts, slots, dim]`` (capacity), in the dtype the matmuls ran in."""
         gate_up_proj, down_proj = self.weight_view(self.gate_up_proj), self.weight_view(self.down_proj)
         # Features first (``weight @ x^T``), so the weights' gradients come back in their stored
         # layout and are not copied into it.
         gate, up = torch.matmul(gate_up_proj, x.transpose(1, 2)).chunk(2, dim=1)
-        hidden = self.swiglu_fn(gate, up) * weights[:, None, :]
+        hidden = self.swiglu_fn(gate, up) * weights[:, None, :].to(gate.dtype)
         return torch.matmul(down_proj, hidden).transpose(1, 2)
 
 
@@ -411,8 +438,10 @@ class MoE(nn.Module):
             y, dropped = self._dropless(x, flat_experts, flat_weights, token), None
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        load = torch.zeros(self.n_experts, device=x.device).index_add_(
-            0, flat_experts, torch.ones_like(flat_weights)
+        # Statistics in fp32 whatever the compute dtype: counts stay exact (to 2**24 assignments;
+        # bf16 stops counting at 256) and sum with the fp32 router probabilities.
+        load = torch.zeros(self.n_experts, dtype=torch.float32, device=x.device).index_add_(
+            0, flat_experts, torch.ones_like(flat_experts, dtype=torch.float32)
         )
         # The balance loss over the global batch: assignment counts, probability sums and token
         # counts summed over the data-parallel ranks (``reduce_stats``, set by the trainer; identity
@@ -445,12 +474,17 @@ class MoE(nn.Module):
         counts = torch.zeros(self.n_experts, dtype=torch.int32, device=x.device).index_add_(
             0, flat_experts, torch.ones_like(flat_experts, dtype=torch.int32)
         )
-        rows, row_weights = x[token[order]], flat_weights[order].to(x.dtype)
+        # Rows travel in the experts' matmul dtype (bf16 under autocast: half the buffer and the
+        # expert-parallel exchange of fp32 rows, which the experts' first matmul would round anyway).
+        dtype = matmul_dtype(x)
+        rows, row_weights = x[token[order]].to(dtype), flat_weights[order].to(dtype)
         if self.exchange is None:
             out = self.experts.grouped(rows, torch.cumsum(counts, dim=0, dtype=torch.int32), row_weights)
         else:
             out = self.exchange.grouped(self.experts, rows, counts, row_weights)
-        return torch.zeros_like(x).index_add_(0, token[order], out)
+        # The experts' output is in their matmuls' dtype (bf16 under autocast); the combine sums each
+        # token's top_k rows in the activations' dtype (fp32 under autocast), as the residual adds them.
+        return torch.zeros_like(x).index_add_(0, token[order], out.to(x.dtype))
 
     def _capacity(
         self, x: torch.Tensor, flat_experts: torch.Tensor, flat_weights: torch.Tensor, token: torch.Tensor
@@ -461,8 +495,9 @@ class MoE(nn.Module):
         kept = position < slots
         trash = self.n_experts * slots  # one extra row that dropped assignments write to, never read
         slot = torch.where(kept, flat_experts * slots + position, trash)
-        buffer = x.new_zeros(trash + 1, x.shape[1]).index_put((slot,), x[token])
-        slot_weights = x.new_zeros(trash + 1).index_put((slot,), (flat_weights * kept).to(x.dtype))
+        dtype = matmul_dtype(x)  # the slots in the experts' matmul dtype, as _dropless's rows
+        buffer = x.new_zeros(trash + 1, x.shape[1], dtype=dtype).index_put((slot,), x[token].to(dtype))
+        slot_weights = x.new_zeros(trash + 1, dtype=dtype).index_put((slot,), (flat_weights * kept).to(dtype))
         expert_slots = buffer[:trash].view(self.n_experts, slots, -1)
         expert_weights = slot_weights[:trash].view(self.n_experts, slots)
         if self.exchange is None:
@@ -471,7 +506,7 @@ class MoE(nn.Module):
             out = self.exchange.batched(self.experts, expert_slots, expert_weights)
         out = out.reshape(trash, -1)
         out = torch.cat([out, out.new_zeros(1, out.shape[1])])[slot]  # a dropped row reads zeros
-        y = torch.zeros_like(x).index_add_(0, token, out)
+        y = torch.zeros_like(x).index_add_(0, token, out.to(x.dtype))  # as in _dropless
         return y, (~kept).sum().float()
 
 
@@ -517,10 +552,15 @@ def configure_moe(
     capacity_factor: float,
     aux_loss_scale: float,
     reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    supports_grouped_mm: Callable[[torch.dtype], bool] | None = None,
 ) -> int:
-    """Set every :class:`MoE` layer's execution settings; returns how many there are."""
+    """Set every :class:`MoE` layer's execution settings; returns how many there are.
+    ``supports_grouped_mm``: the accelerator adapter's answer (``Accelerator.supports_grouped_mm``),
+    asked once per training dtype here; None: dropless experts loop over the groups."""
+    native = frozenset(d for d in DTYPES.values() if supports_grouped_mm and supports_grouped_mm(d))
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     for m in layers:
         m.dispatch, m.capacity_factor, m.aux_loss_scale = dispatch, capacity_factor, aux_loss_scale
         m.reduce_stats = reduce_stats
+        m.experts.grouped_mm_dtypes = native
     return len(layers)
