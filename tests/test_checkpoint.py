@@ -284,6 +284,7 @@ def test_rng_state_round_trips(saved_run: Path, tmp_path: Path) -> None:
     trainer.close()
 
 
+@pytest.mark.slow  # DCP spawns its checkpoint process (a fresh interpreter importing torch): ~8 s
 @pytest.mark.skipif(
     not Path("/dev/full").exists(), reason="needs /dev/full (Linux), where writes fail with ENOSPC"
 )
