@@ -298,7 +298,8 @@ def test_a_damaged_dpo_reference_is_one_line_and_exit_2(
     status, err = run([*resume, f"run_dir={tmp_path / 'run'}"], capsys)
     assert status == 2 and REFERENCE_FILE in one_line_error(err, "train")
     # The intact reference resumes (its checksum written at the start matches).
-    fit_dpo(resume, run_dir)
+    shutil.copytree(run_dir, tmp_path / "intact")
+    assert fit_dpo(resume, tmp_path / "intact").step == 3
 
 
 @pytest.mark.slow
