@@ -318,7 +318,6 @@ def test_a_tracker_failing_mid_run_is_dropped_after_one_warning(caplog: pytest.L
     [
         "http://127.0.0.1:5000",
         "https://user:pw@mlflow.example.com/tracking",
-        "file:///tmp/mlruns",
         "sqlite:///mlflow.db",
         "postgresql+psycopg2://user@db.example.com/mlflow",
         "databricks",
@@ -334,7 +333,18 @@ def test_tracking_uris_mlflow_takes(uri: str) -> None:
 def test_a_tracking_uri_that_is_not_a_uri_is_named_with_its_fix(uri: str) -> None:
     problem = mlflow_uri_problem(uri)
     assert problem is not None and problem.startswith(f"metrics.mlflow={uri!r} is not a tracking URI")
-    assert "http://HOST:PORT" in problem and "file:///ABS/DIR" in problem
+    assert "http://HOST:PORT" in problem and "sqlite:///ABS/mlflow.db" in problem
+
+
+def test_mlflow_file_store_is_refused_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow 3.17 refuses its file store (maintenance mode) at every client: the run logged nothing
+    past one warning. Refused up front, unless MLFLOW_ALLOW_FILE_STORE opts back in."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    problem = mlflow_uri_problem("file:///tmp/mlruns") or ""
+    assert problem.startswith("metrics.mlflow='file:///tmp/mlruns': MLflow's file store is in maintenance")
+    assert "metrics.mlflow=sqlite:///ABS/mlflow.db" in problem and "MLFLOW_ALLOW_FILE_STORE=true" in problem
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    assert mlflow_uri_problem("file:///tmp/mlruns") is None
 
 
 def test_a_bad_uri_never_prints_its_password() -> None:

@@ -294,12 +294,25 @@ def mlflow_uri_problem(uri: str) -> str | None:
             ok = bool(parts.hostname) and parts.port != 0
         except ValueError:  # a port that is not a number in 0-65535
             ok = False
+    if (
+        ok
+        and parts.scheme == "file"
+        and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1")
+    ):
+        # MLflow 3's file store is in maintenance mode: it raises on every new client unless
+        # MLFLOW_ALLOW_FILE_STORE opts back in (mlflow/store/tracking/file_store.py), so the run would
+        # log nothing past one warning. https://mlflow.org/docs/latest/self-hosting/migrate-from-file-store
+        return (
+            f"metrics.mlflow={redact_text(uri)!r}: MLflow's file store is in maintenance mode and refuses "
+            "new runs; use a local database, metrics.mlflow=sqlite:///ABS/mlflow.db, or a tracking server, "
+            "http://HOST:PORT (or set MLFLOW_ALLOW_FILE_STORE=true to keep the file store)"
+        )
     if ok:
         return None
     return (
         f"metrics.mlflow={redact_text(uri)!r} is not a tracking URI; write it with its scheme: "
-        "http://HOST:PORT for a tracking server, file:///ABS/DIR or sqlite:///ABS/mlflow.db for a "
-        "local store (or metrics.mlflow=null for none)"
+        "http://HOST:PORT for a tracking server, sqlite:///ABS/mlflow.db for a local store (or "
+        "metrics.mlflow=null for none)"
     )
 
 
