@@ -495,8 +495,8 @@ class MetricsConfig:
     in ``<run_dir>/trackers.json``, so a resumed run continues the same W&B run."""
     mlflow: str | None = None
     """Also log to MLflow at this tracking URI (rank 0; needs the ``mlflow`` package):
-    ``http://HOST:PORT`` for a tracking server, ``file:///ABS/DIR`` or ``sqlite:///ABS/mlflow.db``
-    for a local store. A resumed run continues the same MLflow run."""
+    ``http://HOST:PORT`` for a tracking server, ``sqlite:///ABS/mlflow.db`` for a local store (MLflow
+    3's file store, ``file://``, refuses new runs). A resumed run continues the same MLflow run."""
     peak_tflops: float | None = None
     """Dense peak TFLOP/s of one device for MFU, overriding the accelerator adapter's datasheet table
     (or, on CPU, its measured matmul peak). Set it for hardware the table does not know."""
