@@ -9,6 +9,7 @@ working; new tests import from here.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -37,6 +38,44 @@ TINY = [
     "trainer.progress=false",
     "optim.warmup_steps=2",
 ]
+
+
+# bf16 tolerances. bf16 keeps 8 significant bits, so rounding to nearest is off by at most
+# u = 2**-8 = 3.9e-3 of the value. A bf16 forward rounds at every step of its deepest path: per
+# sublayer (attention, feed-forward; two per block) and for the head, about four times -- the
+# activation cast to bf16, the weight cast, the matmul's output (its accumulation is fp32 in oneDNN's
+# and cuBLAS's bf16 GEMMs), one elementwise or normalization output. Each error reaches the logits
+# with a gain of about one (the residual stream carries it; the normalizations rescale, they do not
+# amplify). Roundings to nearest are zero-mean and, in practice, independent, so n of them add in
+# quadrature -- a standard deviation of at most sqrt(n) * u, not the worst case n * u (Higham & Mary,
+# "A new approach to probabilistic rounding error analysis", SIAM J. Sci. Comput. 41(5), 2019) -- and
+# a tolerance of three of those, 3 * sqrt(n) * u, is the bound. The backward pass goes over every
+# path twice more (input and weight gradients), so a gradient has 3n roundings; two bf16 runs
+# compared with each other (a layout against one process) have both runs' roundings between them.
+BF16_UNIT_ROUNDOFF = 2.0**-8
+BF16_LAMBDA = 3.0
+
+
+def decoder_roundings(n_layers: int, *, backward: bool = False) -> int:
+    """bf16 roundings on the deepest path of a decoder of ``n_layers`` blocks: 4 for each of its
+    ``2 * n_layers`` sublayers and its head (``3x`` that for a gradient)."""
+    return 4 * (2 * n_layers + 1) * (3 if backward else 1)
+
+
+def bf16_tolerance(roundings: int) -> float:
+    """The relative error ``roundings`` bf16 roundings stay within: ``3 * sqrt(roundings) * 2**-8``
+    (two blocks: 5.2e-2 on the logits, 9.1e-2 on the gradient; see the comment above)."""
+    return BF16_LAMBDA * math.sqrt(roundings) * BF16_UNIT_ROUNDOFF
+
+
+def relative_error(got, want) -> float:
+    """``||got - want|| / ||want||`` (Frobenius, over every element; tensors or lists of tensors)."""
+    import torch
+
+    got, want = ([got], [want]) if isinstance(got, torch.Tensor) else (got, want)
+    diff = sum(float((g.float() - w.float()).square().sum()) for g, w in zip(got, want, strict=True))
+    norm = sum(float(w.float().square().sum()) for w in want)
+    return math.sqrt(diff / norm)
 
 
 def compose_config(overrides: list[str], run_dir: Path | None = None) -> DictConfig:

@@ -17,6 +17,10 @@ it through its :class:`~portatrain.models.spec.ModelSpec` and the model/argument
   or SiLU computed outside them, and the ``pallas_interpret_*`` overrides matching the references;
 * two Trainer steps, eager and with ``torch.compile`` per block, agreeing; then ``export`` ->
   ``transformers.from_pretrained`` with matching logits and ``model.init_from`` back bit-identical;
+* bf16, both as the Trainer runs it without FSDP2 (autocast over fp32 weights) and with it (FSDP2's
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, here on a one-process gloo group):
+  forward, backward and one AdamW step, each mixture-of-experts dispatch, within the tolerance derived
+  in ``tests/helpers.py`` of the fp32 run;
 * FSDP2 on two processes (``torchrun``) equal to one process (slow);
 * the dry run's memory estimate (``spec.estimate_memory``) within 15% of the measured CPU peak;
 * a layout the family refuses (``spec.parallel_problems``) is one error, exit 2, in a dry run.
@@ -27,6 +31,7 @@ plans) stays in the family's own test files.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -45,7 +50,18 @@ from portatrain.models import SPECS, model_args
 from portatrain.models.memory import measured_peak_bytes
 from portatrain.plan import estimate_for_config
 from portatrain.trainer import Trainer
-from tests.helpers import TINY, compose_config, fit, make_trainer, run_cli, torchrun, train_records
+from tests.helpers import (
+    TINY,
+    bf16_tolerance,
+    compose_config,
+    decoder_roundings,
+    fit,
+    make_trainer,
+    relative_error,
+    run_cli,
+    torchrun,
+    train_records,
+)
 
 FAMILIES = sorted(SPECS)
 PUBLISHED = [(name, flavor) for name in FAMILIES for flavor in sorted(SPECS[name].published_params)]
@@ -394,6 +410,107 @@ def test_pallas_interpret_overrides_match_the_references(model) -> None:
         for m in kernels.modules()
         for op in OPERATIONS
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16: autocast over fp32 weights, and FSDP2's bf16 policy, against fp32
+# ---------------------------------------------------------------------------------------------
+
+BF16_MODES = ("autocast", "fsdp2_policy")
+"""How the Trainer computes in bf16: autocast over fp32 weights (one process), and -- where FSDP2
+shards -- its ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` under the same autocast."""
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A one-process gloo group and its mesh: FSDP2 over one rank casts parameters and reduces
+    gradients exactly as over many (its all-gather and reduce-scatter are copies here)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_step(spec, mode: str, dispatch: str, mesh, tokens: torch.Tensor) -> dict:
+    """One forward, backward and AdamW step of the two-block debug model, then a second forward:
+    the logits and loss before the step, every gradient, the loss after it."""
+    from portatrain.accelerators.cpu import CPUAccelerator
+    from portatrain.models.common.moe import configure_moe
+    from portatrain.models.common.parallelize import apply_fsdp
+
+    with torch.device("meta"):
+        model = spec.model_cls(small_args(spec))
+    supports = CPUAccelerator().supports_grouped_mm
+    configure_moe(
+        model, dispatch=dispatch, capacity_factor=1.25, aux_loss_scale=1.0, supports_grouped_mm=supports
+    )
+    if mode == "fsdp2_policy":
+        apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16) if mode != "fp32" else contextlib.nullcontext()
+
+    def loss_of(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+    with bf16:
+        logits = model(tokens[:, :-1])
+    loss = loss_of(logits)
+    loss.backward()
+    grads = {
+        name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        for name, p in model.named_parameters()
+    }
+    masters = {name: p.dtype for name, p in model.named_parameters()}
+    optimizer.step()
+    with torch.no_grad(), bf16:
+        after = loss_of(model(tokens[:, :-1]))
+    return {
+        "logits": logits.detach(),
+        "loss": loss.item(),
+        "grads": grads,
+        "masters": masters,
+        "after": after.item(),
+    }
+
+
+def test_bf16_autocast_and_fsdp2_policy_match_fp32_within_the_derived_tolerance(spec, one_rank_mesh) -> None:
+    """Tolerances (``tests/helpers.py``): two blocks make 20 roundings on the forward's deepest path,
+    so logits within 3 * sqrt(20) * 2**-8 = 5.2e-2 of fp32 (relative, over all of them), gradients
+    (60 roundings) within 9.1e-2; the loss, a mean of cross-entropies, moves by at most twice the
+    largest logit change, held to the logits' bound too. After the AdamW step (fp32 master weights
+    and state in every mode) the loss is held to the same bound: Adam's first update is
+    ``lr * sign(g)``, so the runs' updates differ only where rounding flips a gradient's sign, i.e.
+    where the gradient is within rounding of zero and moves the loss by next to nothing. Measured on
+    an AVX2 CPU (every family, mode and dispatch): logits 3.5e-3 to 2.0e-2, gradients 4.4e-3 to
+    3.4e-2 (DeepSeek-V3 under the FSDP2 policy the largest), losses 2e-6 to 2.8e-4."""
+    args = small_args(spec)
+    forward = bf16_tolerance(decoder_roundings(args.n_layers))
+    backward = bf16_tolerance(decoder_roundings(args.n_layers, backward=True))
+    tokens = _tokens(args.vocab_size, batch=2, seq_len=33)
+    sparse = any(args.is_sparse(layer) for layer in range(args.n_layers))
+    for dispatch in ("capacity", "dropless") if sparse else ("dropless",):
+        want = _train_step(spec, "fp32", dispatch, one_rank_mesh, tokens)
+        for mode in BF16_MODES:
+            case = f"{mode}, {dispatch}"
+            got = _train_step(spec, mode, dispatch, one_rank_mesh, tokens)
+            assert got["logits"].dtype == torch.bfloat16, case  # computed in bf16, not upcast
+            assert set(got["masters"].values()) == {torch.float32}, case  # fp32 master weights
+            error = relative_error(got["logits"], want["logits"])
+            assert 0 < error <= forward, f"{case}: logits {error:.2e} > {forward:.2e}"
+            for key in ("loss", "after"):
+                assert got[key] == pytest.approx(want[key], rel=forward), (case, key)
+            for name, grad in got["grads"].items():
+                assert grad.dtype == torch.float32 and torch.isfinite(grad).all(), (case, name)
+            error = relative_error(list(got["grads"].values()), list(want["grads"].values()))
+            assert error <= backward, f"{case}: gradients {error:.2e} > {backward:.2e}"
 
 
 # ---------------------------------------------------------------------------------------------
