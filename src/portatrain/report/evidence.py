@@ -250,6 +250,8 @@ def parity_run(cfg: Config, trainer_cls: type[Trainer] | None, run_dir: Path) ->
         "ok": bool(result.ok),
         "steps": len(result.steps),
         "tolerance": float(result.tolerance),
+        "derivation": result.derivation,
+        "update_tolerance": result.update_tolerance,
         "dtype": str(result.dtype).removeprefix("torch."),
         "first_divergence": None if first is None else asdict(first),
         "losses": [[s.loss_reference, s.loss_target] for s in result.steps],
