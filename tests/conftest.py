@@ -24,6 +24,12 @@ __all__ = ["ROOT", "TINY", "compose_config", "run_cli", "tiny_cfg"]
 os.environ.setdefault(
     "PORTATRAIN_COMPILE_CACHE_DIR", tempfile.mkdtemp(prefix="portatrain-test-compile-cache-")
 )
+# Measured CPU peaks (portatrain.accelerators.cpu.measured_peak) go to a file of the session's, never
+# into the user's ~/.cache: a figure measured while the suite loads the machine is no peak to keep.
+os.environ.setdefault(
+    "PORTATRAIN_PEAK_CACHE",
+    os.path.join(tempfile.mkdtemp(prefix="portatrain-test-peaks-"), "peak_flops.json"),
+)
 
 
 def _keep_absl_off_pytests_capture() -> None:

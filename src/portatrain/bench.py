@@ -25,7 +25,6 @@ import math
 import platform
 import statistics
 import time
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -137,7 +136,6 @@ def _summarize(trainer: Trainer, cfg: Config, *, start: float, constructed: floa
         flops=flops,
         elapsed_s=sum(times),
         num_devices=trainer.dist.world_size,
-        remeasure=partial(trainer.accelerator.remeasure_peak_flops, trainer.dtype),
     )
     rates = throughput_metrics(
         tokens=int(tokens),

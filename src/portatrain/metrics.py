@@ -4,8 +4,8 @@ What this file does:
 - ``model_flops``: model FLOPs of a step's micro-batches, from the architecture's
   ``flops_per_token(seq_len)`` and the real (``labels != -100``) tokens, counted on the host;
 - ``resolve_peak_flops``: the per-device peak MFU divides by (``metrics.peak_tflops``, else the
-  accelerator adapter's datasheet table or, on CPU, its measured matmul peak), and
-  ``peak_covering``, which raises it when a window runs above it (MFU is never above 100%);
+  accelerator adapter's datasheet table or, on CPU, its matmul peak measured once per machine and
+  cached), and ``peak_covering``, which raises it when a window runs above it (MFU is never above 100%);
 - ``throughput_metrics`` / ``memory_metrics``: the step-time, tokens/s, MFU and memory fields of a
   log record; ``progress_postfix`` condenses them for the progress bar;
 - sinks: ``JSONLSink`` (``<run_dir>/metrics.jsonl``, one JSON object per line) and
@@ -94,44 +94,34 @@ def resolve_peak_flops(
             dtype_name,
         )
         return None, f"unknown for {name} ({dtype_name})"
-    source = "measured matmul, an estimate" if accelerator.device_type == "cpu" else "datasheet"
-    return peak, f"{name}, {dtype_name}, {source}"
+    return peak, f"{name}, {dtype_name}, {accelerator.peak_flops_source(dtype)}"
 
 
 def peak_covering(
-    peak: float | None,
-    source: str,
-    *,
-    flops: float,
-    elapsed_s: float,
-    num_devices: int,
-    remeasure: Callable[[], float | None],
+    peak: float | None, source: str, *, flops: float, elapsed_s: float, num_devices: int
 ) -> tuple[float | None, str]:
     """The peak to compute MFU with for a window of ``flops`` over ``elapsed_s`` on ``num_devices``
     (as :func:`throughput_metrics` takes them), never below the rate achieved: MFU <= 100%.
 
-    A rate above the peak means the peak is wrong, not the run: a measured peak (CPU) was taken while
-    the machine was busy, or a datasheet figure or ``metrics.peak_tflops`` is too low. The peak is
-    then measured again where it is a measurement (``remeasure``: the first time only, it takes a
-    second), raised to at least the achieved rate, and the change logged; ``source`` says so from
-    then on.
+    A rate above the peak means the figure is low, not the run fast: a datasheet figure or
+    ``metrics.peak_tflops`` below what the device does, a CPU measurement (taken once per machine
+    and cached, never again mid-run: a measurement on a machine busy with the run itself would be
+    low) that a warmer clock beats, or a FLOPs model counting more than runs. The peak is raised to
+    the rate achieved, ``source`` says so from then on, and one line is logged at INFO: the
+    figure is an estimate the run has corrected, not a fault of the run, so not a warning.
     """
     achieved = _per_device(flops, elapsed_s, num_devices)
     if peak is None or achieved <= peak:
         return peak, source
-    base, _, raised_before = source.partition("; raised")
-    fresh = 0.0 if raised_before else remeasure() or 0.0
-    raised = max(fresh, achieved)
-    logger.warning(
-        "the training step ran at %.4g TFLOP/s per device, above the peak of %.4g TFLOP/s (%s); %s: "
-        "MFU is computed against %.4g TFLOP/s from now on",
+    logger.info(
+        "the training step ran at %.4g TFLOP/s per device, above the peak of %.4g TFLOP/s (%s): "
+        "MFU is computed against the rate achieved from now on; set metrics.peak_tflops to choose the peak",
         achieved / 1e12,
         peak / 1e12,
         source,
-        f"measured again: {fresh / 1e12:.4g} TFLOP/s" if fresh else "the figure is too low",
-        raised / 1e12,
     )
-    return raised, f"{base}; raised to {'a new measurement' if fresh >= achieved else 'the achieved rate'}"
+    base, _, _ = source.partition("; raised")
+    return achieved, f"{base}; raised to the achieved rate"
 
 
 def throughput_metrics(

@@ -736,7 +736,6 @@ class Trainer:
             flops=totals.flops,
             elapsed_s=totals.elapsed_s,
             num_devices=self.dist.world_size,
-            remeasure=partial(self.accelerator.remeasure_peak_flops, self.dtype),
         )
         last = {
             "step": self.step,

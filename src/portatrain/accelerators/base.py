@@ -290,9 +290,10 @@ class Accelerator:
         """
         return None
 
-    def remeasure_peak_flops(self, dtype: torch.dtype) -> float | None:
-        """Measure :meth:`peak_flops` again, where it is a measurement (CPU); None for a datasheet figure."""
-        return None
+    def peak_flops_source(self, dtype: torch.dtype) -> str:
+        """Where :meth:`peak_flops` comes from, for logs and bench reports (the CPU's is a
+        measurement, cached with its provenance)."""
+        return "datasheet"
 
     # -- kernels ---------------------------------------------------------------------------
     def supports_grouped_mm(self, dtype: torch.dtype) -> bool:
