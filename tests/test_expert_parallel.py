@@ -4,9 +4,10 @@
   ``ep`` not dividing the ``dp_shard`` ranks or the experts, ``ep > 1`` on a dense model, and capacity
   dispatch (which exchanges equal-size buffers) where ranks may run different row lengths.
 * The exchange on two gloo ranks against the single-device layer on each rank's tokens, in both
-  dispatch modes, capacity with tokens dropped: outputs, input and router gradients, and each rank's
-  experts' gradients (the sum over both ranks' tokens); the elements every all-to-all moved, forward
-  and backward, against the analytic amount.
+  dispatch modes, capacity with tokens dropped, in fp32 and in bf16 (autocast; the rows travel in
+  bf16): outputs, input and router gradients, and each rank's experts' gradients (the sum over both
+  ranks' tokens); the elements every all-to-all moved, forward and backward, against the analytic
+  amount.
 * Training under ``torchrun``: ``ep=2`` on 2 processes (both modes; dropless with compiled blocks and
   full activation checkpointing) and on 4 (``dp_shard=4``) equal to one process on the same global batch; a checkpoint saved at ``ep=2`` holds each expert weight
   as one ``[n_experts, ...]`` tensor and resumes in one process with the next losses unchanged.
@@ -27,7 +28,7 @@ from portatrain.errors import ConfigError
 from portatrain.models import get_spec
 from portatrain.models.common.moe import MoE
 from portatrain.parallel.parallel_dims import ParallelDims, layout_problems
-from tests.helpers import TINY, compose_config, fit, torchrun, train_records
+from tests.helpers import TINY, bf16_tolerance, compose_config, fit, relative_error, torchrun, train_records
 from tests.test_command_errors import run
 
 MOE = [*TINY, "model=qwen3_moe_debug"]  # 8 experts, top-2; TINY: 4 steps of 4 rows of 64 tokens
@@ -109,10 +110,13 @@ class _AllToAllElements(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.elements = 0
+        self.float_dtypes: set[torch.dtype] = set()  # of the rows, weights and gradients (not the counts)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         if func is torch.ops._c10d_functional.all_to_all_single.default:
             self.elements += args[0].numel()
+            if args[0].is_floating_point():
+                self.float_dtypes.add(args[0].dtype)
         return func(*args, **(kwargs or {}))
 
 
@@ -127,7 +131,9 @@ def _exchange_worker(rank: int, store: str) -> None:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
         local = EXPERTS // 2
         dropped = torch.zeros(())
-        for dispatch in ("capacity", "dropless"):
+        for dtype, dispatch in [
+            (dtype, d) for dtype in (torch.float32, torch.bfloat16) for d in ("capacity", "dropless")
+        ]:
             torch.manual_seed(0)
             ref = MoE(DIM, HIDDEN, EXPERTS, TOP_K, norm_topk_prob=True, aux_loss_coef=0.01)
             ref.init_weights(0.5, 0.5)
@@ -138,21 +144,38 @@ def _exchange_worker(rank: int, store: str) -> None:
             x = torch.randn(2, TOKENS // 2, DIM)
             grad = torch.randn_like(x)
             x_ref, x_ep = x.clone().requires_grad_(), x.clone().requires_grad_()
-            want = ref(x_ref)
+            # bf16 as the Trainer computes it: autocast over fp32 weights.
+            bf16 = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+            with bf16:
+                want = ref(x_ref)
             want.backward(grad)
-            with _AllToAllElements() as sent:
+            with _AllToAllElements() as sent, bf16:
                 got = layer(x_ep)
                 got.backward(grad)
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(x_ep.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(layer.gate.weight.grad, ref.gate.weight.grad, rtol=1e-4, atol=1e-5)
+            full_grads, mine_grads = [], []
             for name in ("gate_up_proj", "down_proj"):
                 full = getattr(ref.experts, name).grad.clone()
                 dist.all_reduce(full)  # every rank's tokens reach this rank's experts
-                mine = getattr(layer.experts, name).grad.to_local()
-                torch.testing.assert_close(
-                    mine, full[rank * local : (rank + 1) * local], rtol=1e-4, atol=1e-5
-                )
+                full_grads.append(full[rank * local : (rank + 1) * local])
+                mine_grads.append(getattr(layer.experts, name).grad.to_local())
+            pairs = [
+                (got, want),
+                (x_ep.grad, x_ref.grad),
+                (layer.gate.weight.grad, ref.gate.weight.grad),
+                *zip(mine_grads, full_grads, strict=True),
+            ]
+            if dtype == torch.float32:
+                for a, b in pairs:
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+            else:
+                # The rows travel in bf16; each expert computes the same products on either side, so the
+                # two differ by summation order only. Bound (tests/helpers.py): one sublayer's 4
+                # roundings on each side, and three times that for gradients.
+                assert sent.float_dtypes == {torch.bfloat16}, sent.float_dtypes
+                assert got.dtype == torch.float32  # combined in the activations' dtype
+                for i, (a, b) in enumerate(pairs):
+                    bound = bf16_tolerance(2 * 4 * (1 if i == 0 else 3))
+                    assert relative_error(a, b) <= bound, (dispatch, i, relative_error(a, b), bound)
             if dispatch == "capacity":
                 slots = ref.capacity(TOKENS)
                 # rows and routing weights out, rows back; the same again in backward
