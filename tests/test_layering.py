@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("distributed", "fault_tolerance", "parallel", "kernels"),
     ("models", "data"),  # model families (parallelize.py uses parallel/); the data pipeline
     ("finetune",),  # LoRA adapters and PEFT files; DPO's loss and preference pairs
+    ("converters",),  # model converters applied on meta before parallelize (quantize.linear)
     # stages the trainer uses; the audit (static scan, runtime audit)
     ("compile", "losses", "optim", "profiling", "metrics", "checkpoint", "rundir", "audit"),
     # what watches the training loop: non-finite steps, the logging window; lm-eval tasks on the model

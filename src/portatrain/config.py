@@ -577,6 +577,22 @@ class KernelsConfig:
 
 
 @dataclass
+class QuantizeConfig:
+    """Low-precision matmuls through torchao (``portatrain.converters.quantize``): the chosen linear
+    layers multiply in FP8 or MXFP8; weights, gradients, optimizer state and checkpoints keep their
+    precision."""
+
+    linear: str = "none"
+    """``none``; ``float8_tensorwise`` (one scale per tensor; with FSDP2 the weights are all-gathered in
+    FP8); ``float8_rowwise`` (a scale per row: closer to bf16); ``mxfp8`` (a scale per 32 elements)."""
+    skip_last_blocks: int = 0
+    """Keep the last N transformer blocks' linear layers in high precision (the output head always is)."""
+    fsdp_float8_all_gather: bool = True
+    """``float8_tensorwise`` with FSDP2: all-gather each weight cast to FP8 (half bf16's bytes), its
+    scale computed for every weight in one all-reduce after each optimizer step."""
+
+
+@dataclass
 class Config:
     recipe: str = MISSING
     """Name of the recipe this config came from (set by the recipe file)."""
@@ -602,6 +618,7 @@ class Config:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     audit: RuntimeAuditConfig = field(default_factory=RuntimeAuditConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
 

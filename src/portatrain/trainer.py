@@ -84,6 +84,7 @@ from portatrain.compile import (
     warmup_batches,
 )
 from portatrain.config import Config
+from portatrain.converters import build_converters
 from portatrain.data.collate import with_attention_mask
 from portatrain.data.loader import batch_shapes, build_collator, build_dataloader
 from portatrain.data.pipeline import build_data
@@ -265,6 +266,9 @@ class Trainer:
         # before parallelize, so compiled blocks trace each kernel as one custom op.
         self.kernels = resolve_kernels(cfg.kernels.enabled, self.accelerator.device_type)
         apply_kernels(model, self.kernels)
+        # Model converters (portatrain.converters: quantize.linear), on meta, before parallelize.
+        self.converters = build_converters(cfg, self.accelerator, self.parallel_dims)
+        self.converters.convert(model)
         # finetune.method=lora (or dpo with lora): the layers LoRA adapts, set while parallelizing.
         self.lora_modules: list[str] = []
         # Pipeline parallel (parallel.pp > 1): this rank's stages, each parallelized and materialized as
@@ -485,6 +489,7 @@ class Trainer:
         # The gradient norm is global (all ranks agree on it); the loss is this rank's.
         grad_ok = torch.isfinite(grad_norm)  # the same on every rank: skipping stays in lockstep
         self.nonfinite.optimizer_step(self.optimizer, grad_ok)
+        self.converters.post_optimizer_step(self.model)  # e.g. FP8 weight scales for the next all-gather
         update_expert_bias(self._balanced_routers, grad_ok)
         self.nonfinite.count(self.step + 1, grad_ok, torch.isfinite(loss_sum))  # before self.step += 1
         self.optimizer.zero_grad(set_to_none=True)

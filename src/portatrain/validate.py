@@ -15,6 +15,7 @@ from portatrain.bench import bench_problems
 from portatrain.checkpoint.staging import ASYNC_MODES
 from portatrain.compile import compile_problems
 from portatrain.config import CheckpointConfig, Config, DataConfig, TrainerConfig
+from portatrain.converters import converter_problems
 from portatrain.data.config import config_problems as data_problems
 from portatrain.dtypes import dtype_problem
 from portatrain.errors import ConfigError
@@ -65,6 +66,7 @@ def config_problems(cfg: Config) -> list[str]:
             f"kernels.enabled={list(cfg.kernels.enabled)} with parallel.tp={cfg.parallel.tp}: kernel "
             "overrides take plain tensors, not tensor-parallel DTensors; set parallel.tp=1 or kernels.enabled=[]"
         )
+    problems += converter_problems(cfg)  # quantize.linear, with the layout and data it meets
     problems += metrics_problems(cfg.metrics)
     problems += profile_problems(cfg.profile)
     problems += bench_problems(cfg.bench)

@@ -276,6 +276,15 @@ class Accelerator:
         """
         return None
 
+    def low_precision_matmuls(self) -> dict[str, str]:
+        """The low-precision matmul formats of ``quantize.linear`` this device runs: ``{format: how}``
+        with format ``float8`` (FP8 e4m3, a scale per tensor or per row) or ``mxfp8`` (OCP
+        microscaling: FP8 e4m3 with an e8m0 scale per 32 elements), how ``native`` (matmul units for
+        it) or ``emulated`` (correct numerics, no speed-up: tests only). A format left out is not
+        declared, and ``portatrain.converters.quantize`` refuses it here. Nothing by default: an
+        adapter declares what its vendor documents."""
+        return {}
+
     # -- performance accounting (MFU, profiler) --------------------------------------------
     def device_name(self) -> str:
         """The hardware behind :attr:`device`, as the peak-FLOPs table and bench reports name it."""

@@ -230,6 +230,12 @@ class CPUAccelerator(Accelerator):
     def device_name(self) -> str:
         return f"{self.model_name()} ({torch.get_num_threads()} threads)"
 
+    def low_precision_matmuls(self) -> dict[str, str]:
+        """Both formats, emulated: no CPU has FP8 matmul units, but torch's CPU ``_scaled_mm`` and
+        torchao's emulated MXFP8 cast to the real 8-bit formats and multiply the results, so a CPU
+        run has a GPU run's rounding (what the tests check), at no gain in speed."""
+        return {"float8": "emulated", "mxfp8": "emulated"}
+
     def peak_flops(self, dtype: torch.dtype) -> float | None:
         """The matmul peak measured on this machine at this process's thread count (:func:`measured_peak`)."""
         return measured_peak(dtype, torch.get_num_threads()).flops

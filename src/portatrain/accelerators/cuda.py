@@ -64,6 +64,21 @@ class CUDAAccelerator(Accelerator):
     def device_name(self) -> str:
         return torch.cuda.get_device_name(self.index)
 
+    def low_precision_matmuls(self) -> dict[str, str]:
+        """FP8 from sm89 (Ada, Hopper: FP8 tensor cores, what ``torch._scaled_mm`` needs), MXFP8 on
+        sm10x (Blackwell B200/GB200: block-scaled tensor cores; pytorch/torchtitan ``docs/mxfp8.md``,
+        "Requirements: NVIDIA B200 (SM100)"), the checks torchtitan makes (``has_cuda_capability(8, 9)``
+        and ``(10, 0)`` in ``torchtitan/components/quantization/float8.py`` and ``mx.py``). ROCm: FP8
+        on MI300 (gfx942, capability 9.4) and later (``has_rocm_capability(9, 4)`` there), whose e4m3
+        variant (``float8_e4m3fnuz``) torchao picks itself."""
+        major, minor = torch.cuda.get_device_capability(self.index)
+        if torch.version.hip:
+            return {"float8": "native"} if (major, minor) >= (9, 4) else {}
+        formats = {"float8": "native"} if (major, minor) >= (8, 9) else {}
+        if major == 10:
+            formats["mxfp8"] = "native"
+        return formats
+
     def peak_flops(self, dtype: torch.dtype) -> float | None:
         precision = str(dtype).removeprefix("torch.")
         # fp32 matmuls run on tensor cores as TF32 once torch.set_float32_matmul_precision("high")

@@ -149,6 +149,16 @@ class NeuronAccelerator(Accelerator):
             return None
         return chip_tflops / self.logical_cores_per_chip() * 1e12
 
+    def low_precision_matmuls(self) -> dict[str, str]:
+        """Per AWS's architecture pages: Trainium2's NeuronCore-v3 Tensor Engine runs FP8 (cFP8, whose
+        exponent bias is adjustable) at twice its BF16 rate (158 against 79 TFLOPS;
+        about-neuron/arch/neuron-hardware/neuron-core-v3.rst); Trainium3's NeuronCore-v4 lists
+        MXFP8/MXFP4 (2,517 against 671 BF16 TFLOPS per chip; trainium3.rst) and no plain FP8 figure,
+        so FP8 is not declared there. An unknown generation (no ``$PORTATRAIN_NEURON_CHIP``) declares
+        nothing. Not run on Trainium: whether TorchNeuron lowers ``torch._scaled_mm`` is untested."""
+        chip = os.environ.get(NEURON_CHIP_ENV, "").lower()
+        return {"trn2": {"float8": "native"}, "trn3": {"mxfp8": "native"}}.get(chip, {})
+
     def profiler_activities(self) -> list[torch.profiler.ProfilerActivity]:
         # tools/neuron-explorer/how-to-profile-pytorch: pass ProfilerActivity.CPU and
         # ProfilerActivity.PrivateUse1 ("Both are required for a complete CPU-to-device view").

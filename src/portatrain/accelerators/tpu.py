@@ -77,6 +77,14 @@ class TPUAccelerator(Accelerator):
         tflops = lookup_peak_tflops(TPU_PEAK_TFLOPS, self.device_name(), str(dtype).removeprefix("torch."))
         return None if tflops is None else tflops * 1e12
 
+    def low_precision_matmuls(self) -> dict[str, str]:
+        """FP8 on TPU7x (Ironwood) only: Google's table gives it 4614 FP8 TFLOPs per chip against 2307
+        BF16, and v5p and v6e the same figure for both (459, 918: no FP8 units;
+        https://docs.cloud.google.com/tpu/docs/tpu7x, "Peak compute per chip (FP8)"). MXFP8: no
+        public statement found for any generation, so not declared. Not run on a TPU: whether
+        TorchTPU lowers ``torch._scaled_mm`` (what torchao's FP8 calls) is untested."""
+        return {"float8": "native"} if "TPU v7" in self.device_name() else {}
+
     def profiler_activities(self) -> list[torch.profiler.ProfilerActivity]:
         # TorchTPU registers a Kineto backend for its PrivateUse1 device
         # (torch_tpu/_loader.py: profiler.register_kineto_backend()).
