@@ -17,6 +17,7 @@ from portatrain.parallel.context import (
     unshard_sequence,
 )
 from portatrain.parallel.parallel_dims import layout_problems
+from tests.helpers import bf16_tolerance, decoder_roundings, relative_error
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
@@ -132,6 +133,13 @@ PARITY_CASES = [
     ("olmo2", 4, 1, True),
     ("qwen3_moe", 2, 1, True),
 ]
+BF16_CASES = [
+    # The same in bf16, as the Trainer runs it: the reference under autocast over fp32 weights, the
+    # layout under autocast with FSDP2's bf16 parameters (fp32 gradient reduction). cp2 x tp2 (FSDP2
+    # over cp), and cp2 x dp_shard 2 of the mixture of experts (dropless; rows split over dp too).
+    ("llama3", 2, 2, True),
+    ("qwen3_moe", 2, 1, True),
+]
 
 
 def _batch(vocab: int, documents: bool) -> dict[str, torch.Tensor]:
@@ -147,11 +155,13 @@ def _batch(vocab: int, documents: bool) -> dict[str, torch.Tensor]:
     return batch
 
 
-def _loss_and_grads(model, batch, total_tokens: int):
+def _loss_and_grads(model, batch, total_tokens: int, dtype: torch.dtype = torch.float32):
     from portatrain.losses import cross_entropy_sum
 
     positions, mask = batch.get("positions"), batch.get("attn_mask")
-    loss = cross_entropy_sum(model(batch["input_ids"], positions=positions, attn_mask=mask), batch["labels"])
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        logits = model(batch["input_ids"], positions=positions, attn_mask=mask)
+    loss = cross_entropy_sum(logits, batch["labels"])
     (loss / total_tokens).backward()
     grads = {}
     for name, param in model.named_parameters():
@@ -160,7 +170,7 @@ def _loss_and_grads(model, batch, total_tokens: int):
     return loss.detach() / total_tokens, grads
 
 
-def _build(family: str, dims=None):
+def _build(family: str, dims=None, param_dtype: torch.dtype = torch.float32):
     from dataclasses import replace
 
     from portatrain.models import get_spec
@@ -174,7 +184,7 @@ def _build(family: str, dims=None):
     reduce = None if dims is None else (lambda t: token_all_reduce(t, dims))
     configure_moe(model, dispatch="dropless", capacity_factor=1.25, aux_loss_scale=1.0, reduce_stats=reduce)
     if dims is not None:
-        spec.parallelize(model, dims, param_dtype=torch.float32, reduce_dtype=torch.float32)
+        spec.parallelize(model, dims, param_dtype=param_dtype, reduce_dtype=torch.float32)
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     with torch.no_grad(), full_tensor_init():
@@ -195,21 +205,36 @@ def _parity_worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     errors = []
+    bf16 = torch.bfloat16
     try:
-        for family, cp, tp, documents in PARITY_CASES:
+        cases = [(*case, torch.float32) for case in PARITY_CASES] + [(*case, bf16) for case in BF16_CASES]
+        for family, cp, tp, documents, dtype in cases:
             dims = ParallelDims(dp_replicate=1, dp_shard=-1, tp=tp, world_size=world, cp=cp)
             dims.build_mesh("cpu")
             reference, args = _build(family)
             full = _batch(args.vocab_size, documents)
             total = int((full["labels"] != -100).sum())
-            want_loss, want = _loss_and_grads(reference, with_attention_mask(full), total)
+            want_loss, want = _loss_and_grads(reference, with_attention_mask(full), total, dtype)
 
-            model, _ = _build(family, dims)
+            model, _ = _build(family, dims, param_dtype=dtype)
             rows = slice(dims.dp_rank * ROWS // dims.dp, (dims.dp_rank + 1) * ROWS // dims.dp)
             shard = ContextParallel.from_mesh(dims.cp_mesh).shard_batch({k: v[rows] for k, v in full.items()})
-            loss, got = _loss_and_grads(model, shard, total)
+            loss, got = _loss_and_grads(model, shard, total, dtype)
             loss = token_all_reduce(loss, dims)
-            case = f"{family} cp={cp} tp={tp} documents={documents}"
+            case = f"{family} cp={cp} tp={tp} documents={documents} {dtype}"
+            if dtype == bf16:
+                # Two bf16 computations of a two-block decoder (tests/helpers.py): the loss within the
+                # logits' bound, all gradients together within the gradients' (single parameters' may
+                # be far smaller than the rest, the router's, and are not judged alone).
+                loss_bound = bf16_tolerance(2 * decoder_roundings(args.n_layers))
+                grad_bound = bf16_tolerance(2 * decoder_roundings(args.n_layers, backward=True))
+                if relative_error(loss, want_loss) > loss_bound:
+                    errors.append(f"{case}: loss {loss.item()} != {want_loss.item()} within {loss_bound:.2e}")
+                names = sorted(want)
+                grad_error = relative_error([got[n] for n in names], [want[n] for n in names])
+                if grad_error > grad_bound:
+                    errors.append(f"{case}: gradients differ by {grad_error:.2e} > {grad_bound:.2e}")
+                continue
             if not torch.allclose(loss, want_loss, rtol=1e-5, atol=1e-6):
                 errors.append(f"{case}: loss {loss.item()} != {want_loss.item()}")
             for name, grad in want.items():
@@ -226,7 +251,8 @@ def _parity_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_context_parallel_matches_one_process_for_every_family(tmp_path):
     """Loss and every parameter's gradient under cp=2 (with FSDP2 over dp_shard x cp, and with TP)
-    and cp=4 equal one process's on the same global batch, to fp32 rounding."""
+    and cp=4 equal one process's on the same global batch, to fp32 rounding; in bf16 (cp2 x tp2, and
+    the mixture of experts at cp2 x dp2), within the bound derived in ``tests/helpers.py``."""
     import socket
 
     import torch.multiprocessing as mp
