@@ -12,7 +12,8 @@ Two ways to run it:
 
 - ``python tests/fault_injection.py trials OUT N SEED [OVERRIDE...]``: one process runs the clean reference, then N
   trials, each in a forked child (``OMP_NUM_THREADS=1``: no thread pool to break in a fork) -- a
-  child killed at a random point, then a child that resumes with ``checkpoint.resume=auto`` --
+  child killed at a point (SEED ``spread``: N points evenly spaced over all of them, as the tests
+  run it; a number: N random points), then a child that resumes with ``checkpoint.resume=auto`` --
   and writes every trial's outcome to ``OUT`` (JSON). Forking saves the ~3 s of ``import torch`` per
   run, which is what makes 20+ trials cheap.
 - as a torchrun worker script: ``FAULT_KILL_AT``/``FAULT_RANK``/``FAULT_MARKER`` select the point,
@@ -138,7 +139,16 @@ def _in_child(fn, out: Path) -> int:
     return status
 
 
-def trials(out: Path, n: int, seed: int, overrides: list[str] | None = None) -> None:
+def kill_points(total: int, n: int, seed: str) -> list[int]:
+    """The points the ``n`` trials die at: ``seed="spread"`` spaces them evenly over ``1..total`` (the
+    first and last point included: the same points on every machine); a number draws them at random."""
+    if seed == "spread":
+        return [1 + round(i * (total - 1) / max(n - 1, 1)) for i in range(n)]
+    rng = random.Random(int(seed))
+    return [rng.randint(1, total) for _ in range(n)]
+
+
+def trials(out: Path, n: int, seed: str, overrides: list[str] | None = None) -> None:
     work = out.parent / "fault-trials"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -150,10 +160,8 @@ def trials(out: Path, n: int, seed: int, overrides: list[str] | None = None) -> 
     overrides = overrides or []
     reference = _fit(work / "clean", overrides)
     total = reference["points"]
-    rng = random.Random(seed)
     outcomes = []
-    for trial in range(n):
-        kill_at = rng.randint(1, total)
+    for trial, kill_at in enumerate(kill_points(total, n, seed)):
         run_dir = work / f"trial{trial}"
 
         def killed(run_dir=run_dir, kill_at=kill_at) -> dict:
@@ -234,6 +242,6 @@ def torchrun_worker() -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     if len(sys.argv) > 1 and sys.argv[1] == "trials":
-        trials(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:])
+        trials(Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:])
     else:
         torchrun_worker()
