@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 import torch
 
+from portatrain.accelerators import Accelerator
 from portatrain.accelerators.cpu import CPUAccelerator
 from portatrain.models.common.layers import FeedForward
 from portatrain.models.common.moe import MoE, configure_moe, grouped_mm, grouped_outer
@@ -134,22 +135,49 @@ def measure(
     rounds: int,
     hf: tuple[str, ...],
     breakdown: bool = False,
+    accelerator: Accelerator | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, tuple[float, float]]:
     """``{runner: (median CPU seconds, median wall seconds)}`` of one forward + backward (with
-    ``breakdown``, also each grouped matmul, ``grouped <name>``, and its dense one, ``dense <name>``)."""
+    ``breakdown``, also each grouped matmul, ``grouped <name>``, and its dense one, ``dense <name>``).
+
+    On ``accelerator`` (default the CPU) in ``dtype``: everything is made there (weights, tokens and
+    routing in ``dtype``), and each timing waits for the device (``scripts/device_check.py`` runs it
+    on a GPU in bf16, where the wall time is what counts)."""
+    accelerator = accelerator or CPUAccelerator()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(accelerator.device):
+            return _measure(dim, width, experts, top_k, tokens, rounds, hf, breakdown, accelerator)
+    finally:
+        torch.set_default_dtype(default_dtype)
+
+
+def _measure(
+    dim: int,
+    width: int,
+    experts: int,
+    top_k: int,
+    tokens: int,
+    rounds: int,
+    hf: tuple[str, ...],
+    breakdown: bool,
+    accelerator: Accelerator,
+) -> dict[str, tuple[float, float]]:
     torch.manual_seed(0)
     moe = MoE(dim, width, experts, top_k, norm_topk_prob=True)
     moe.init_weights(0.02, 0.02)
     capacity = MoE(dim, width, experts, top_k, norm_topk_prob=True)
     capacity.load_state_dict(moe.state_dict())
     for layer, dispatch in ((moe, "dropless"), (capacity, "capacity")):
-        # The trainer's settings on CPU: its adapter says torch._grouped_mm runs here.
+        # The trainer's settings: the adapter says whether torch._grouped_mm runs here.
         configure_moe(
             layer,
             dispatch=dispatch,
             capacity_factor=1.25,
             aux_loss_scale=1.0,
-            supports_grouped_mm=CPUAccelerator().supports_grouped_mm,
+            supports_grouped_mm=accelerator.supports_grouped_mm,
         )
     dense = FeedForward(dim, top_k * width)
     dense.init_weights(0.02, 0.02)
@@ -177,8 +205,10 @@ def measure(
         run()
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
+            accelerator.synchronize()  # a device's queued work is not this runner's
             start_cpu, start_wall = time.process_time(), time.perf_counter()
             runners[name]()
+            accelerator.synchronize()
             cpu[name].append(time.process_time() - start_cpu)
             wall[name].append(time.perf_counter() - start_wall)
     return {name: (statistics.median(cpu[name]), statistics.median(wall[name])) for name in runners}

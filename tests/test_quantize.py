@@ -101,7 +101,7 @@ def test_recipe_trains_within_tolerance_of_bf16_and_says_it_is_emulated(runs, re
 
     run_dir, trainer, lines = runs[recipe]
     layer = trainer.model.layers["0"].self_attn.q_proj
-    assert type(layer) is (MXFP8Linear if recipe == "mxfp8" else Float8Linear)
+    assert isinstance(layer, MXFP8Linear if recipe == "mxfp8" else Float8Linear)
     assert type(trainer.model.lm_head) is nn.Linear  # the output head stays in high precision
     assert layer.weight.dtype == torch.float32  # the master weight is untouched
     ours, bf16 = losses(run_dir)[-1], losses(runs["bf16"][0])[-1]
@@ -297,3 +297,23 @@ def test_fsdp2_float8_all_gather_matches_one_process(tmp_path: Path) -> None:
         [f"trainer.steps={steps + 1}", f"checkpoint.resume={ckpt}", "data.batch_size=8"], tmp_path / "resumed"
     )
     assert resumed.step == steps + 1
+
+
+@needs_torchao
+def test_mxfp8_follows_autocast() -> None:
+    """Autocast over fp32 weights (one device, ``trainer.dtype=bfloat16``): torchao's MXFP8Linear alone
+    would multiply bf16 activations with fp32 weights and fail; the converted layer casts both."""
+    from portatrain.converters.quantize import MXFP8Linears
+
+    cfg = compose_config([*TINY, *SMALL])
+    with torch.device("meta"):
+        model = build_model(cfg.model, vocab_size=258)
+    MXFP8Linears(skip_last_blocks=0, emulated_on="cpu").convert(model)
+    model.to_empty(device="cpu")
+    model.init_weights(cfg.model.init_std)
+    ids = torch.randint(0, 258, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(ids)
+    logits.float().square().mean().backward()
+    grad = model.layers["0"].mlp.down_proj.weight.grad
+    assert grad.dtype == torch.float32 and torch.isfinite(grad).all() and grad.abs().sum() > 0

@@ -45,6 +45,7 @@ LoRA (its adapters replace the linear layer's forward).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import logging
 import os
@@ -320,7 +321,6 @@ class MXFP8Linears(_LowPrecisionLinears):
 
     def convert(self, model: nn.Module) -> None:
         with _quiet_imports():
-            from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
             from torchao.prototype.mx_formats.config import ScaleCalculationMode
             from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
@@ -329,10 +329,39 @@ class MXFP8Linears(_LowPrecisionLinears):
         modules = dict(model.named_modules())
         for fqn in self.select(model):
             layer = modules[fqn]
-            layer.__class__ = MXFP8Linear
+            layer.__class__ = _mxfp8_linear()
             layer.kernel_preference = kernels
             layer.scale_calculation_mode = ScaleCalculationMode.RCEIL
             layer.wgrad_with_hp = False
+
+
+@functools.cache
+def _mxfp8_linear() -> type[nn.Linear]:
+    """torchao's ``MXFP8Linear``, made to follow autocast (built once, when first needed)."""
+    with _quiet_imports():
+        from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear, _to_mxfp8_then_scaled_mm
+
+    class AutocastMXFP8Linear(MXFP8Linear):
+        """Under autocast torchao's layer would dequantize bf16 activations and fp32 weights each to
+        its own dtype and fail to multiply them (torchao 0.18): both are cast to the autocast dtype
+        first, as torchao's ``Float8Linear`` does. FSDP2's bf16 parameters need no cast."""
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            device = input.device.type
+            if not torch.is_autocast_enabled(device):
+                return super().forward(input)
+            dtype = torch.get_autocast_dtype(device)
+            with torch.autocast(device, enabled=False):
+                output = _to_mxfp8_then_scaled_mm(
+                    input.to(dtype),
+                    self.weight.to(dtype),
+                    kernel_preference=self.kernel_preference,
+                    scale_calculation_mode=self.scale_calculation_mode,
+                    wgrad_with_hp=self.wgrad_with_hp,
+                )
+                return output if self.bias is None else output + self.bias.to(output.dtype)
+
+    return AutocastMXFP8Linear
 
 
 def _some(names: list[str], limit: int = 3) -> str:
