@@ -28,7 +28,7 @@ def training_dtype(dtype_name: str, device_type: str) -> torch.dtype:
         return dtype_from_name(dtype_name)
     if device_type == "auto":
         return resolve_accelerator("auto").default_dtype
-    return ACCELERATORS[device_type].default_dtype
+    return ACCELERATORS[device_type]().default_dtype  # an instance: the sim's follows its impersonation
 
 
 def static_shapes(device_type: str) -> bool:

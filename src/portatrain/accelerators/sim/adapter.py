@@ -22,7 +22,6 @@ class SimAccelerator(Accelerator):
     install_hint = "install a C++ compiler (g++) so the sim device can be built on first use"
     compile_backend = "aot_eager"
     static_shapes = True  # like the TPU and Neuron compilers: one graph per shape
-    default_dtype = torch.float32  # its kernels are the CPU's: bf16 matmuls are slow there
     fused_adamw = False
 
     @property
@@ -31,6 +30,17 @@ class SimAccelerator(Accelerator):
         from portatrain.accelerators.sim.settings import device_name
 
         return device_name()
+
+    @property
+    def default_dtype(self) -> torch.dtype:  # type: ignore[override]
+        """``trainer.dtype=auto``'s precision: fp32 as plain ``sim`` (its kernels are the CPU's, where
+        bf16 matmuls are slow), the impersonated device's own default (bf16) as ``tpu`` or
+        ``neuron``, so an impersonating run trains in the precision that device's users get."""
+        from portatrain.accelerators.neuron import NeuronAccelerator
+        from portatrain.accelerators.tpu import TPUAccelerator
+
+        impersonated = {"tpu": TPUAccelerator, "neuron": NeuronAccelerator}.get(self.device_type)
+        return torch.float32 if impersonated is None else impersonated.default_dtype
 
     @property
     def dist_backend(self) -> str:  # type: ignore[override]
