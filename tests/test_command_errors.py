@@ -281,6 +281,22 @@ def test_plus_still_adds_a_launch_environment_variable(capsys: pytest.CaptureFix
     assert "NCCL_DEBUG: WARN" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["model.dim=1000000", "model.n_layers=100000"], "model.n_layers=100,000 is above 10,000"),
+        (["model.dim=2000000"], "model.dim=2,000,000 is above 1,048,576"),
+    ],
+)
+def test_plan_refuses_sizes_past_any_model_with_the_bound(
+    overrides: list[str], named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first ran for minutes and gigabytes; the second planned a 2-million-wide model."""
+    status, err = run(["plan", *TINY, *overrides], capsys)
+    assert status == 2 and named in err and "Traceback" not in err, err
+    nothing_left(tmp_path)
+
+
 # -- export -------------------------------------------------------------------------------------------
 def test_export_shard_size_zero_is_refused(checkpoint: Path, tmp_path: Path, capsys) -> None:
     status, err = run(["export", f"checkpoint={checkpoint}", "out=hf", "export.max_shard_size=0"], capsys)

@@ -87,3 +87,19 @@ def test_without_a_mask_kv_heads_are_counted_unrepeated():
         compose_config(["data.collator=packing", "data.packing_attention=causal"]).data
     )
     assert not has_attention_mask(compose_config(["data.collator=bucket"]).data)
+
+
+def test_plan_counts_in_closed_form_and_builds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``portatrain plan`` reads the size from the architecture's formula: building even on the meta
+    device cost ~2.5 ms a block (``model.n_layers=100000``: minutes and gigabytes)."""
+    from portatrain.models.common.decoder import Decoder
+    from portatrain.plan import describe_plan
+    from tests.helpers import compose_config
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the plan built the model")
+
+    monkeypatch.setattr(Decoder, "__init__", never)
+    text = describe_plan(compose_config(["recipe=llama8b", "dry_run=true", "device=cpu"]))
+    assert f"parameters: {N_8B:,} (8.03B), counted from the architecture, nothing built" in text
+    assert "estimated memory per device" in text

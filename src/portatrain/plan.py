@@ -1,7 +1,11 @@
-"""``dry_run=true``: build the model on the meta device and report its size and per-device memory.
+"""``dry_run=true``: report a model's size and per-device memory, in closed form.
 
-Nothing is allocated: the model exists only as shapes, and the memory figures come from the model
-family's estimate (``spec.estimate_memory``) for the configured precision and layout.
+Nothing is built or allocated: the parameter count is the architecture's own formula
+(``args.num_params()``, held to the built model's for every family by ``tests/test_conformance.py``)
+and the memory figures come from the model family's estimate (``spec.estimate_memory``) for the
+configured precision and layout. So a plan takes milliseconds (Llama 3.1 70B: 520 ms -> 5 ms);
+building, even on the meta device, cost ~2.5 ms a block (``model.n_layers=100000``: minutes and
+gigabytes; sizes that large are refused by ``DecoderArgs.size_bounds`` now).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from portatrain.accelerators import ACCELERATORS, resolve_accelerator
 from portatrain.config import Config
 from portatrain.data.loader import has_attention_mask
 from portatrain.dtypes import dtype_from_name
-from portatrain.models import ARCH_OVERRIDES, build_model, get_spec, model_args, moe_dispatch
+from portatrain.models import ARCH_OVERRIDES, get_spec, model_args, moe_dispatch
 from portatrain.models.memory import format_memory_report
 from portatrain.parallel.context import context_activation_bytes
 from portatrain.parallel.parallel_dims import ParallelDims, expected_world_size
@@ -97,10 +101,7 @@ def estimate_for_config(
 def describe_plan(cfg: Config) -> str:
     """The dry-run report: parameters, precision, layout, FLOPs per token and the memory table."""
     args = model_args(cfg.model)
-    with torch.device("meta"):
-        model = build_model(cfg.model)
-    n_params = sum(p.numel() for p in model.parameters())
-    assert n_params == args.num_params(), (n_params, args.num_params())
+    n_params = args.num_params()
     active = args.num_params(active=True)  # a mixture of experts' token passes top_k experts only
     experts = moe_dispatch(cfg.model, static_shapes=static_shapes(cfg.device.type))
     if experts == "capacity":
@@ -115,7 +116,7 @@ def describe_plan(cfg: Config) -> str:
     lines = [
         f"recipe {cfg.recipe}: {cfg.model.name} {cfg.model.flavor}"
         + (f" with {', '.join(f'{k}={v}' for k, v in custom.items())}" if custom else ""),
-        f"parameters: {n_params:,} ({n_params / 1e9:.2f}B), built on meta, nothing allocated"
+        f"parameters: {n_params:,} ({n_params / 1e9:.2f}B), counted from the architecture, nothing built"
         + (f"; active per token: {active:,} ({active / 1e9:.2f}B)" if active != n_params else ""),
         f"architecture: dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads "
         f"({args.n_kv_heads} kv, head_dim {args.head_dim}), ffn {args.ffn_dim}, vocab {args.vocab_size}",

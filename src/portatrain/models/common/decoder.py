@@ -70,6 +70,17 @@ class DecoderArgs:
         "max_seq_len",
     )
     """Fields that must be positive (``model.<name>`` config keys)."""
+    size_bounds: ClassVar[dict[str, int]] = {
+        "n_layers": 10_000,
+        "dim": 2**20,
+        "n_heads": 2**16,
+        "n_kv_heads": 2**16,
+    }
+    """Upper bounds, each far past any trained transformer (DeepNet's 1,000 blocks,
+    https://arxiv.org/abs/2203.00555; widths of tens of thousands; a few hundred heads). Validation,
+    ``portatrain plan`` and the build work per block, and the divisibility hints below per unit of
+    width or head: ``model.n_layers=100000000`` took half a minute to validate, and a build on the
+    meta device costs about 2.5 ms a block (2,000 blocks: 5 s)."""
 
     dim: int = 4096
     """Hidden size (HF ``hidden_size``)."""
@@ -103,6 +114,15 @@ class DecoderArgs:
             for name in self.positive_fields
             if getattr(self, name) <= 0
         ]
+        too_large = [
+            f"model.{name}={getattr(self, name):,} is above {bound:,}: far past any trained transformer, and "
+            f"more than the checks, the plan and the build handle in reasonable time; choose "
+            f"model.{name}<={bound:,}"
+            for name, bound in self.size_bounds.items()
+            if getattr(self, name) > bound
+        ]
+        if too_large:  # the checks below take time in proportion to these sizes
+            return problems + too_large
         if self.norm_eps <= 0:
             problems.append(f"model.norm_eps={self.norm_eps} must be positive")
         if self.rope_theta <= 1:
