@@ -37,7 +37,7 @@ threads, fused or decomposed attention). Each is judged against
   small model compares.
 
 On the debug recipe (K = 384, L = 102) that is 1.4e-4 in fp32; the sim and the CPU differ there by
-5e-7 at most, on AVX2 and with ``ATEN_CPU_CAPABILITY=default``, one thread or two.
+6e-7 at most, on AVX2 and with ``ATEN_CPU_CAPABILITY=default``, one thread or two.
 
 **Later steps** are not compared module by module. AdamW's update ``lr · m̂ / (sqrt(v̂) + ε)`` is
 about ``lr · sign(g)`` wherever ``|g| ≫ ε``, so a gradient within rounding of zero, whose sign the
@@ -212,7 +212,7 @@ class ParityReport:
         updates = (
             f"every optimizer update within {self.update_tolerance:.2e} of {self.optimizer} in float64"
             if self.update_tolerance is not None
-            else f"optimizer updates not checked ({self.optimizer}: only Adam and AdamW are)"
+            else f"optimizer updates not checked ({self.optimizer}; the check knows Adam and AdamW)"
         )
         lines = [
             f"parity: {self.device} ({dtype}) vs cpu (float32)",
