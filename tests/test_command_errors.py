@@ -216,6 +216,11 @@ def test_prepare_keeps_complete_shards_for_a_resume(
     [
         (["data.mix=[{dataset: builtin, weight: inf}]"], "data.mix[0].weight=inf must be a positive, finite"),
         (["data.mix=[{dataset: builtin, weight: 1}]", "data.dataset=x.jsonl"], "set together with data.mix"),
+        (  # each weight finite, their sum not: random.choices' traceback
+            ["data.mix=[{dataset: builtin, weight: 1e308}, {dataset: builtin, weight: 1e308}]"],
+            "data.mix weights [1e+308, 1e+308] sum past the float range (1.8e+308); only their ratios "
+            "matter: scale them down, e.g. weights [1, 1]",
+        ),
     ],
 )
 @pytest.mark.parametrize("command", ["train", "prepare"])
@@ -226,6 +231,14 @@ def test_data_mix_mistakes_are_refused_by_validation(
     status, err = run([command, *TINY, *out, *overrides], capsys)
     assert status == 2 and expected in err and "Traceback" not in err, err
     nothing_left(tmp_path)
+
+
+def test_a_mix_drawn_outside_validation_refuses_weights_past_the_float_range() -> None:
+    from portatrain.data.errors import DataError
+    from portatrain.data.sources import iter_mixed
+
+    with pytest.raises(DataError, match=r"sum past the float range .*e\.g\. weights \[1, 0\.8\]$"):
+        next(iter_mixed(["a", "b"], [1.5e308, 1.2e308], open_source=lambda s: iter([{"text": s}])))
 
 
 def test_damaged_prepared_shard_is_named_when_read(

@@ -17,7 +17,7 @@ from typing import Any
 
 from portatrain.data.collate import OVERLONG_POLICIES
 from portatrain.data.sampler import ORDERS
-from portatrain.data.sources import FORMATS, SUFFIXES, is_hf_source
+from portatrain.data.sources import FORMATS, SUFFIXES, is_hf_source, mix_sum_problem
 
 COLLATORS = ("packing", "bucket", "pad_to_max")
 """``data.collator``: see ``collate.py``."""
@@ -94,6 +94,7 @@ def config_problems(data: Any) -> list[str]:
         )
     mix = list(getattr(data, "mix", None) or [])
     if mix:
+        weights: list[float] = []
         for i, entry in enumerate(mix):
             spec = entry.get("dataset") if hasattr(entry, "get") else None
             weight = entry.get("weight", 1.0) if hasattr(entry, "get") else None
@@ -107,6 +108,12 @@ def config_problems(data: Any) -> list[str]:
                 problems.append(problem)
             if not isinstance(weight, int | float) or not (weight > 0 and math.isfinite(weight)):
                 problems.append(f"data.mix[{i}].weight={weight!r} must be a positive, finite number")
+            else:
+                weights.append(weight)
+        if len(weights) == len(mix):  # each weight fine on its own: their sum must be too
+            problem = mix_sum_problem(weights)
+            if problem:
+                problems.append(problem)
         if str(data.dataset) != "builtin":
             # data.mix replaces data.dataset: a dataset named beside it would be silently ignored.
             problems.append(

@@ -7,6 +7,7 @@ What this file does:
   file in memory except ``.json``, which is one JSON value), each with its location (``file:line``);
 - ``iter_mixed(sources, weights, seed, ...)``: several sources interleaved by a seeded weighted draw
   (every source is read to its end at least once; one that ends early restarts, so the weights hold);
+  ``mix_sum_problem`` refuses weights whose sum the draw cannot take;
 - ``record_payload``: a record -> what the tokenizer stage needs for ``data.format``:
   ``text`` (a string from ``data.text_field``), ``prompt_response`` (``prompt`` and ``response``
   strings; the loss is taken on the response only) or ``chat`` (a ``messages`` list).
@@ -22,7 +23,9 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import random
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -123,8 +126,11 @@ def iter_mixed(
         yield from open_source(sources[0])
         return
     weights = list(weights) if weights is not None else [1.0] * len(sources)
-    if len(weights) != len(sources) or any(not w > 0 for w in weights):
-        raise DataError(f"data.mix weights {weights} must be one positive number per dataset")
+    if len(weights) != len(sources) or any(not (w > 0 and math.isfinite(w)) for w in weights):
+        raise DataError(f"data.mix weights {weights} must be one positive, finite number per dataset")
+    problem = mix_sum_problem(weights)
+    if problem:
+        raise DataError(problem)
     rng = random.Random(f"portatrain-mix:{seed}")
     iterators = [open_source(s) for s in sources]
     ended = [False] * len(sources)
@@ -138,6 +144,19 @@ def iter_mixed(
                 return
             iterators[i] = open_source(sources[i])
             yield next(iterators[i])
+
+
+def mix_sum_problem(weights: Sequence[float]) -> str | None:
+    """Why positive, finite ``weights`` cannot be drawn by, or None: the draw (``random.choices``)
+    sums them, and a sum past the float range (``1e308`` twice) is ``inf``, which it refuses."""
+    if math.isfinite(sum(weights)):
+        return None
+    largest = max(weights)
+    scaled = ", ".join(f"{w / largest:.3g}" for w in weights)
+    return (
+        f"data.mix weights {list(weights)} sum past the float range ({sys.float_info.max:.3g}); only their "
+        f"ratios matter: scale them down, e.g. weights [{scaled}]"
+    )
 
 
 def record_payload(location: str, record: Any, *, format: str = "text", text_field: str = "text") -> Any:
