@@ -524,7 +524,8 @@ def _start_trackers(
     path = run_dir / TRACKERS_FILE
     previous = json.loads(path.read_text()) if resumed and path.is_file() else {}
     config = redact(config) if config is not None else {}
-    run_name = f"{config.get('recipe', 'portatrain')}/{run_dir.name}"
+    # W&B's run name and MLflow's mlflow.runName tag: the run directory's name could hold a secret too.
+    run_name = redact_text(f"{config.get('recipe', 'portatrain')}/{run_dir.name}")
     trackers, ids = [], {}
     if wandb:
         wandb_id = previous.get("wandb", {}).get("run_id")
