@@ -21,7 +21,10 @@ What this file does:
   - ``dropless``: each rank's row counts per expert are exchanged first (one small all-to-all and one
     host sync per layer, to size the second), then the rows themselves with uneven splits.
 
-  Each row's routing weight travels beside it (a second, ``dim`` times smaller, all-to-all).
+  Each row's routing weight travels beside it (a second, ``dim`` times smaller, all-to-all). Rows and
+  weights arrive in the dtype the experts' matmuls run in (the layer casts them before dispatch: bf16
+  under autocast, half the bytes of the fp32 activations) and go back in it; the layer combines them
+  in the activations' dtype.
 
 The design is torchtitan's (``torchtitan/distributed/expert_parallel.py``, ``ExpertParallel``:
 ``Shard(0)`` expert weights, count exchange, then ``all_to_all_single_autograd`` of the tokens, and a
@@ -30,8 +33,8 @@ wrapping the experts module's forward, so one class serves both dispatch modes. 
 collective of their own: the all-to-all's backward returns each token's gradient to its rank, and the
 experts' weight gradients are whole on the rank that holds them (every ep rank's tokens reached them).
 
-Traffic per MoE layer and step, elements each rank hands to all-to-all (``scripts/bench_ep_bytes.py``
-measures it): ``capacity``: ``n_experts * slots * (dim + 1)`` out (rows and routing weights),
+Traffic per MoE layer and step, elements each rank hands to all-to-all, each of the experts' matmul
+dtype's size (``scripts/bench_ep_bytes.py`` measures it): ``capacity``: ``n_experts * slots * (dim + 1)`` out (rows and routing weights),
 ``n_experts * slots * dim`` back, and as much again in backward (the gradients), ``(ep-1)/ep`` of it
 to other ranks. ``dropless``: the same with ``top_k * tokens`` assignments in place of
 ``n_experts * slots`` (exactly, summed over the ranks), plus ``n_experts`` counts.

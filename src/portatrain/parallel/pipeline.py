@@ -353,6 +353,7 @@ class Pipeline:
         # The micro-batches' losses are the last ``microbatches`` calls: a stage's first step also calls
         # the loss once to infer the shapes it exchanges (torch's runtime metadata inference).
         sums = self._loss_sums[-self.microbatches :]
+        # fp32 whatever the compute dtype: the loss is taken on fp32 logits (``portatrain.losses``).
         loss_sum = torch.stack(sums).sum() if sums else torch.zeros((), device=self.device)
         self._loss_sums = []
         # Only the last stage has the loss: the sum over the pp ranks gives it to every rank.
