@@ -18,7 +18,9 @@ Recipes (:data:`RECIPES`), each torchao's (pytorch/ao, tested with torchao 0.18)
 (``model.layers``) whose two dimensions are multiples of 16 (32 for MXFP8: the tensor cores' tile,
 and MXFP8's scale blocks), except those of the last ``quantize.skip_last_blocks`` blocks. The output
 head, and anything else outside the blocks, stays in high precision: the logits are where the loss
-is most sensitive, and torchtitan's recipes leave the head out too (``filter_fqns = ["output"]``).
+is most sensitive, and torchtitan's configs leave the head out too (``filter_fqns=["lm_head"]`` in
+``torchtitan/models/llama3/config_registry.py``; its NVFP4 notes, ``components/quantization/nvfp4.md``,
+keep the last ~15% of the blocks in bf16 as well: ``quantize.skip_last_blocks``).
 One log line says what was converted and what was kept.
 
 **Mixture of experts.** The routed experts stay in high precision, and the run says so once. torchao
