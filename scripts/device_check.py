@@ -1,7 +1,7 @@
 """What the first GPU machine must tell us, in one command: parity, throughput with and without FP8,
 the memory plan against the measured peak, and the MoE block -- printed side by side.
 
-    python scripts/device_check.py                      # one CUDA GPU (H200-class: about 6 minutes)
+    python scripts/device_check.py                      # one CUDA GPU (H200: ~6 min, estimated)
     python scripts/device_check.py --dry-run            # the same plumbing on the CPU, tiny sizes (seconds)
     python scripts/device_check.py --out runs/check     # keep the runs and device_check.json there
 
@@ -20,7 +20,7 @@ Each section runs one of the project's own stages, never a copy of it:
    shape (128 experts, top-8, hidden 2048, expert width 768): the dropless grouped GEMM and the
    capacity dispatch against a dense SwiGLU of the same active FLOPs.
 
-Budget on one H200: parity ~20 s, each 1B bench ~1-1.5 min with its compilation (3 + 10 steps of
+Budget on one H200, estimated (not yet run on one): parity ~20 s, each 1B bench ~1-1.5 min with its compilation (3 + 10 steps of
 8 x 2048 tokens), the MoE block seconds; 8B (fp32 master weights and AdamW state: ~128 GB before any
 activation) is skipped by the plan on a 141 GB device. ``--dry-run`` swaps in the debug model, a few
 tiny steps, no compilation, the CPU (where FP8 runs emulated) and a small MoE block; it is what
