@@ -90,29 +90,30 @@ def _matmuls(moe: MoE, dense: FeedForward, x: torch.Tensor) -> dict[str, tuple[C
     grad_out, grad_gate_up = torch.randn_like(rows), torch.randn(rows.shape[0], gate_up_proj.shape[1])
     dense_hidden = torch.randn(x.shape[0], dense_down.shape[1])
     dense_grad_out, dense_grad_gate_up = torch.randn_like(x), torch.randn(x.shape[0], dense_gate_up.shape[0])
+    native = rows.dtype in moe.experts.grouped_mm_dtypes  # torch._grouped_mm where the adapter says it runs
     return {
         "gate_up forward": (
-            lambda: grouped_mm(rows, gate_up_proj.transpose(1, 2), offs, True),
+            lambda: grouped_mm(rows, gate_up_proj.transpose(1, 2), offs, native),
             lambda: x @ dense_gate_up.t(),
         ),
         "down forward": (
-            lambda: grouped_mm(hidden, down_proj.transpose(1, 2), offs, True),
+            lambda: grouped_mm(hidden, down_proj.transpose(1, 2), offs, native),
             lambda: dense_hidden @ dense_down.t(),
         ),
         "down input grad": (
-            lambda: grouped_mm(grad_out, down_proj, offs, True),
+            lambda: grouped_mm(grad_out, down_proj, offs, native),
             lambda: dense_grad_out @ dense_down,
         ),
         "gate_up input grad": (
-            lambda: grouped_mm(grad_gate_up, gate_up_proj, offs, True),
+            lambda: grouped_mm(grad_gate_up, gate_up_proj, offs, native),
             lambda: dense_grad_gate_up @ dense_gate_up,
         ),
         "down weight grad": (
-            lambda: grouped_outer(grad_out, hidden, offs, True),
+            lambda: grouped_outer(grad_out, hidden, offs, native),
             lambda: dense_grad_out.t() @ dense_hidden,
         ),
         "gate_up weight grad": (
-            lambda: grouped_outer(grad_gate_up, rows, offs, True),
+            lambda: grouped_outer(grad_gate_up, rows, offs, native),
             lambda: dense_grad_gate_up.t() @ x,
         ),
     }
