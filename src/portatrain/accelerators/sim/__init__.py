@@ -44,7 +44,9 @@ and the generic ``torch.accelerator`` API (``current_accelerator()``, ``device_c
   ``load()`` (``import torch_tpu``) installs it and ``device=tpu`` runs end to end.
 
 One name per process (torch renames PrivateUse1 once); the process-group backend is registered
-for the chosen name, and the counters work the same under any name.
+for the chosen name, and the counters work the same under any name. The name also sets
+``trainer.dtype=auto``'s precision (``SimAccelerator.default_dtype``): the impersonated device's, bf16
+as ``tpu`` or ``neuron``, fp32 as plain ``sim``.
 """
 
 from __future__ import annotations

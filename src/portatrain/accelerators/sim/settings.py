@@ -11,7 +11,8 @@ variable, what it accepts and the fix -- not a failed build, and not a half-inst
 ``SIM_UNSUPPORTED_OPS``    comma-separated ops marked unsupported (``aten::nonzero,...``)
 ``SIM_UNSUPPORTED_ACTION`` what such an op does: ``count`` (default), ``warn`` or ``error``
 ``SIM_OP_PROFILE``         op coverage: ``tpu``, ``neuron`` or a profile file (:mod:`.op_profiles`)
-``PORTATRAIN_SIM_AS``      the device's name: ``sim`` (default), ``tpu`` or ``neuron`` (impersonation)
+``PORTATRAIN_SIM_AS``      the device's name: ``sim`` (default), ``tpu`` or ``neuron`` (impersonation,
+                           with that device's default dtype, bf16)
 =========================  ===================================================================
 
 This module sits below ``runtime`` and ``inductor`` (both ask it for the device's name) and imports
