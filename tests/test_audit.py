@@ -78,6 +78,7 @@ EXPECTED: dict[str, set[tuple[str, int]]] = {
         ("data-dependent-shape", 26),  # y.nonzero()
         ("host-sync", 39),  # .item() in a step function
         ("tensor-control-flow", 47),  # a loop calling train_step: if grad_norm.isinf().any()
+        ("host-sync", 56),  # .item() once per evaluation batch (the progress print is left alone)
         ("tensor-control-flow", 68),  # while loss > target, in a training while-loop
     },
     "dynamic_shapes.py": {

@@ -19,6 +19,7 @@ AUDIT_LAYERS: list[tuple[str, ...]] = [
     ("rules", "tree", "names", "suppressions", "sources", "runtime"),  # leaves of the package
     ("config", "finding", "step", "tensors"),  # the config; a finding; what the checks read
     ("guards",),  # which code only CUDA reaches (reads the tensor inference's assignments)
+    ("project",),  # the audited files as one project: their CUDA helpers
     ("context",),  # one file being scanned
     ("registry",),  # how a rule family registers its checks
     ("checks",),  # the rule families

@@ -14,6 +14,7 @@ import ast
 from portatrain.audit.finding import Finding
 from portatrain.audit.guards import DeviceGuards
 from portatrain.audit.names import Names
+from portatrain.audit.project import ProjectFile
 from portatrain.audit.rules import RULES
 from portatrain.audit.step import TrainingStep
 from portatrain.audit.suppressions import justification, read_suppressions
@@ -24,8 +25,12 @@ from portatrain.audit.tree import SourceTree
 class FileScan:
     """One file being scanned; built once per file and handed to every check."""
 
-    def __init__(self, module: ast.Module, source: str, path: str) -> None:
+    def __init__(
+        self, module: ast.Module, source: str, path: str, project: ProjectFile | None = None
+    ) -> None:
         self.path = path
+        self.project = project
+        """The other audited modules' CUDA helpers (None: the file is audited alone)."""
         self.tree = SourceTree(module, source)
         self.names = Names(module)
         self.tensors = TensorInference(self.tree, self.names)

@@ -148,6 +148,46 @@ _RULES: tuple[Rule, ...] = (
         "switch it on for every device that supports it: a per-device setting the device adapter owns, "
         'not a test of `device_type == "cuda"`',
     ),
+    Rule(
+        "cuda-default-device",
+        "error",
+        1,
+        "CUDA-only API",
+        "a device left to a default that is CUDA (`GradScaler()`, `ShardedGradScaler()` without a device) "
+        "or given as a bare index (`.to(local_rank)`): off NVIDIA it raises or picks the wrong device",
+        "pass the device explicitly: `torch.amp.GradScaler(device.type)`, `.to(device)` with `device` from "
+        "the adapter (portatrain: `trainer.device`)",
+    ),
+    Rule(
+        "nccl-setting",
+        "warning",
+        1,
+        "CUDA-only API",
+        'an NCCL tuning (`os.environ["NCCL_..."]`, `torch.cuda.nccl`): NCCL exists only for NVIDIA GPUs, '
+        "so off NVIDIA the setting does nothing or the import fails",
+        "let the device adapter own communication settings per backend; set NCCL variables in the "
+        "CUDA launcher's environment, not in the training code",
+    ),
+    Rule(
+        "cuda-profiler",
+        "warning",
+        1,
+        "CUDA-only API",
+        'a profiler set up for CUDA (`ProfilerActivity.CUDA`, `sort_by="cuda_time_total"`): off NVIDIA it '
+        "records no device activity, or the sort key is missing",
+        "`torch.profiler.supported_activities()` for the activities, and the `device_time_total`/"
+        "`self_device_time_total` sort keys",
+    ),
+    Rule(
+        "cuda-helper",
+        "error",
+        1,
+        "CUDA-only API",
+        "a call into a helper of the same project whose body calls CUDA-only code (found across the "
+        "audited modules)",
+        "make the helper device-generic (`torch.accelerator.*`, the adapter's method); the reason names "
+        "the CUDA line inside it",
+    ),
     # -- kernels and libraries (level 2) ------------------------------------------------------
     Rule(
         "cuda-library",

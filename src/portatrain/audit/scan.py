@@ -25,6 +25,7 @@ from portatrain.audit.checks import FAMILIES
 from portatrain.audit.config import AuditConfig
 from portatrain.audit.context import FileScan
 from portatrain.audit.finding import Finding
+from portatrain.audit.project import Project, ProjectFile
 from portatrain.audit.registry import dispatch_table
 from portatrain.audit.rules import RULES, SEVERITIES
 from portatrain.errors import UserError
@@ -75,9 +76,11 @@ def audit_paths(paths: Sequence[str | os.PathLike[str]], config: AuditConfig | N
     files = list(_expand(paths, config))
     findings: list[Finding] = []
     suppressed: list[Finding] = []
+    # Several files are one project: calls into each other's CUDA helpers are resolved.
+    project = Project.build(paths, [(p, _display(p)) for p in files]) if len(files) > 1 else None
     for path in files:
         display = _display(path)
-        for finding in scan_file(path, display=display):
+        for finding in scan_file(path, display=display, project=project):
             if finding.rule in config.disable:
                 continue
             if finding.rule in config.severity:
@@ -93,8 +96,11 @@ def audit_paths(paths: Sequence[str | os.PathLike[str]], config: AuditConfig | N
     )
 
 
-def scan_file(path: str | os.PathLike[str], *, display: str | None = None) -> list[Finding]:
-    """All findings of one file, suppressed ones included (their ``justification`` is not None)."""
+def scan_file(
+    path: str | os.PathLike[str], *, display: str | None = None, project: Project | None = None
+) -> list[Finding]:
+    """All findings of one file, suppressed ones included (their ``justification`` is not None);
+    ``project`` (the other files audited with it) resolves calls into their CUDA helpers."""
     display = display or str(path)
     try:
         with tokenize.open(path) as handle:  # honours a PEP 263 coding cookie
@@ -105,16 +111,21 @@ def scan_file(path: str | os.PathLike[str], *, display: str | None = None) -> li
         raise AuditError(
             f"cannot read {display}: {exc.strerror or exc}; check that it is a readable file"
         ) from exc
-    return scan_source(source, display)
+    return scan_source(source, display, project=project, file=Path(path))
 
 
-def scan_source(source: str, path: str = "<string>") -> list[Finding]:
+def scan_source(
+    source: str, path: str = "<string>", *, project: Project | None = None, file: Path | None = None
+) -> list[Finding]:
     """All findings of one module's source, suppressed ones included."""
     try:
         module = ast.parse(source, filename=path)
     except SyntaxError as exc:
         return [_syntax_finding(path, exc.lineno or 1, exc.offset or 1, f"syntax error: {exc.msg}")]
-    scan = FileScan(module, source, path)
+    view: ProjectFile | None = None
+    if project is not None and file is not None:
+        view = project.for_file(file, module)
+    scan = FileScan(module, source, path, view)
     for node in ast.walk(module):  # breadth-first: ancestors before descendants
         for check in _CHECKS.get(type(node), ()):
             check(scan, node)

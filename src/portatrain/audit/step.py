@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable
 
 from portatrain.audit.names import Names
-from portatrain.audit.tree import Function, Loop, SourceTree, terminal_name
+from portatrain.audit.tree import Function, Loop, SourceTree, on_self, terminal_name
 
 Resolver = Callable[[ast.Name], "ast.expr | None"]
 """What a name holds when the code runs with its defaults (``TensorInference.resolve_default``)."""
@@ -176,7 +176,9 @@ class TrainingStep:
 
     def settings(self) -> dict[str, list[ast.expr]]:
         """Setting name -> the defaults the file gives it: ``add_argument("--log-interval",
-        default=1)``, a class field ``log_interval: int = 1``, a ``"log_interval": 1`` dict entry."""
+        default=1)``, a class field ``log_interval: int = 1``, a ``"log_interval": 1`` dict entry,
+        a parameter default stored on ``self`` (``def __init__(self, log_interval=1)`` with
+        ``self.log_interval = log_interval``)."""
         if self._settings is None:
             found: dict[str, list[ast.expr]] = {}
             for node in ast.walk(self.tree.module):
@@ -195,6 +197,25 @@ class TrainingStep:
                         flag = str(dest.value)
                     if flag is not None and default is not None:
                         found.setdefault(str(flag).lstrip("-").replace("-", "_"), []).append(default)
+                elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    # `def __init__(self, log_interval=1)`: the default of `self.log_interval`
+                    args = node.args
+                    positional = [*args.posonlyargs, *args.args]
+                    pairs = [
+                        *zip(positional[len(positional) - len(args.defaults) :], args.defaults),
+                        *zip(args.kwonlyargs, args.kw_defaults),
+                    ]
+                    defaults = {arg.arg: default for arg, default in pairs if default is not None}
+                    for item in ast.walk(node):
+                        if (
+                            isinstance(item, ast.Assign)
+                            and len(item.targets) == 1
+                            and isinstance(item.targets[0], ast.Attribute)
+                            and on_self(item.targets[0])
+                            and isinstance(item.value, ast.Name)
+                            and item.value.id in defaults
+                        ):
+                            found.setdefault(item.targets[0].attr, []).append(defaults[item.value.id])
                 elif isinstance(node, ast.ClassDef):
                     for item in node.body:
                         targets = [item.target] if isinstance(item, ast.AnnAssign) else []

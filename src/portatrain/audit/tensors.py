@@ -3,6 +3,10 @@
 A name is a tensor when the assignment that reaches it is a ``torch.*``/``F.*`` call, a
 model/criterion/loss call, arithmetic on a tensor, or a parameter annotated ``torch.Tensor``.
 That is enough for ``print(loss)`` and ``if loss < best:`` without flagging ``print(step)``.
+
+A tensor is *on the host* when a torch factory made it without a ``device`` (``torch.tensor(lengths)``,
+``torch.from_numpy(a)``) and nothing since moved it (``.to(device)``, ``.cuda()``): reading its
+value (``.sum().item()``) waits on nothing.
 """
 
 from __future__ import annotations
@@ -74,6 +78,24 @@ _NOT_TENSOR_METHODS = frozenset(
 _NOT_TENSOR_ATTRS = frozenset(
     {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "names", "layout"}
 )
+_HOST_FACTORIES = frozenset(
+    {
+        "torch.tensor",
+        "torch.as_tensor",
+        "torch.from_numpy",
+        "torch.zeros",
+        "torch.ones",
+        "torch.full",
+        "torch.empty",
+        "torch.arange",
+        "torch.rand",
+        "torch.randn",
+        "torch.randint",
+        "torch.randperm",
+    }
+)
+"""Factories that build on the host unless given ``device=`` (or a default device is set)."""
+_MOVES = frozenset({"to", "cuda", "type", "to_device", "pin_memory"})
 _MODEL_LIKE = re.compile(r"(^|_)(model|net|network|criterion|module|lm)($|_)|loss")
 
 
@@ -193,6 +215,43 @@ class TensorInference:
         if isinstance(node, ast.IfExp):
             return self.is_tensor(node.body, depth + 1) or self.is_tensor(node.orelse, depth + 1)
         return False
+
+    def on_host(self, node: ast.AST, depth: int = 0) -> bool:
+        """Whether ``node`` is certainly a host tensor (see the module docstring); False when unsure."""
+        if depth > 8:
+            return False
+        if isinstance(node, ast.Name):
+            if self.tensor_params(self.tree.scope(node)).get(node.id):
+                return False  # a parameter: the caller decides where it lives
+            value = self.resolve(node)
+            return value is not None and self.on_host(value, depth + 1)
+        if isinstance(node, ast.Subscript):
+            return self.on_host(node.value, depth + 1)
+        if isinstance(node, ast.BinOp):
+            sides = (node.left, node.right)
+            return any(self.on_host(s, depth + 1) for s in sides) and all(
+                isinstance(s, ast.Constant) or self.on_host(s, depth + 1) for s in sides
+            )
+        if not isinstance(node, ast.Call):
+            return False
+        qualname = self.names.qualname(node.func)
+        if qualname is not None:
+            return qualname in _HOST_FACTORIES and all(k.arg not in ("device", None) for k in node.keywords)
+        if not isinstance(node.func, ast.Attribute):
+            return False
+        if node.func.attr == "cpu":
+            return True
+        if node.func.attr == "to":  # a dtype cast stays where it is; any other argument may move it
+            casts = all(
+                (self.names.qualname(a) or "").startswith("torch.")
+                and self.names.qualname(a) != "torch.device"
+                for a in node.args
+            )
+            if not casts or any(k.arg != "dtype" for k in node.keywords):
+                return False
+        elif node.func.attr in _MOVES:
+            return False
+        return self.on_host(node.func.value, depth + 1)
 
     def _call_is_tensor(self, call: ast.Call, depth: int) -> bool:
         qualname = self.names.qualname(call.func)

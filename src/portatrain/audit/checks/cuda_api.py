@@ -6,17 +6,27 @@ A ``torch.cuda`` call that only CUDA reaches (``if device.type == "cuda":``, see
 :mod:`portatrain.audit.guards`) is device-specific code in its place, not a finding; ``torch.cuda.amp``
 is reported anyway (deprecated on CUDA too).
 
+CUDA also hides in defaults and settings: a ``GradScaler()``/``ShardedGradScaler()`` without a
+device (both default to ``"cuda"``), ``.to(local_rank)`` (a bare index means a CUDA device),
+``NCCL_*`` environment variables and ``torch.cuda.nccl``, a profiler that records
+``ProfilerActivity.CUDA`` or sorts by a ``cuda_time`` key. When a folder is audited, a call into a
+helper of another audited module whose body calls CUDA-only code is reported at the call site, with
+the helper's CUDA line as its reason (:mod:`portatrain.audit.project`).
+
 Rules: ``cuda-api``, ``cuda-amp``, ``cuda-backend-flag``, ``pin-memory-cuda``, ``nccl-backend``,
-``nccl-backend-map``, ``cuda-only-fast-path``.
+``nccl-backend-map``, ``cuda-only-fast-path``, ``cuda-default-device``, ``nccl-setting``,
+``cuda-profiler``, ``cuda-helper``.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 
 from portatrain.audit.checks.device_placement import is_cuda_string
 from portatrain.audit.context import FileScan
 from portatrain.audit.registry import RuleFamily
+from portatrain.audit.tree import terminal_name
 
 FAMILY = RuleFamily("CUDA-only API")
 
@@ -97,6 +107,15 @@ def cuda_only_reference(scan: FileScan, node: ast.Name | ast.Attribute) -> None:
             )
     elif qualname.endswith("Backend.NCCL") and parts[0] == "torch":
         scan.report("nccl-backend", node, f"`{qualname}` hard-codes the NCCL backend")
+    elif (
+        parts[0] == "torch" and parts[-2:] == ["ProfilerActivity", "CUDA"] and not scan.guards.cuda_only(node)
+    ):
+        scan.report(
+            "cuda-profiler",
+            node,
+            f"`{scan.text(node)}` records CUDA kernels only: off NVIDIA the profile has no device activity",
+            "`activities=torch.profiler.supported_activities()` (the CPU plus whatever device is present)",
+        )
 
 
 _FAST_PATH_KEYWORDS: dict[str, str] = {
@@ -216,3 +235,129 @@ def _is_value_position(node: ast.AST, parent: ast.AST | None) -> bool:
     if isinstance(parent, ast.Dict):
         return any(v is node for v in parent.values)
     return False
+
+
+# torch.autograd.profiler_util.FunctionEventAvg: the cuda_* keys are CUDA's names for the device_*
+# ones (torch >= 2.4), which every backend's profiler fills.
+_CUDA_SORT_KEYS = frozenset(
+    {"cuda_time", "cuda_time_total", "self_cuda_time_total", "cuda_memory_usage", "self_cuda_memory_usage"}
+)
+_NCCL_VARIABLE = re.compile(r"^(TORCH_)?NCCL_[A-Z0-9_]+$")
+_ENV_CALLS = frozenset(
+    {"os.environ.setdefault", "os.environ.get", "os.environ.pop", "os.getenv", "os.putenv", "os.unsetenv"}
+)
+
+
+@FAMILY.check(ast.Constant)
+def cuda_profiler_sort_key(scan: FileScan, node: ast.Constant) -> None:
+    """``prof.key_averages().table(sort_by="self_cuda_time_total")``."""
+    if not isinstance(node.value, str) or node.value not in _CUDA_SORT_KEYS:
+        return
+    if _is_value_position(node, scan.tree.parent(node)) and not scan.guards.cuda_only(node):
+        key = node.value.replace("cuda", "device")
+        scan.report(
+            "cuda-profiler",
+            node,
+            f'`"{node.value}"` is a CUDA profiler key: off NVIDIA the column is empty or missing',
+            f'`sort_by="{key}"` (filled by every backend\'s profiler)',
+        )
+
+
+@FAMILY.check(ast.Constant)
+def nccl_environment(scan: FileScan, node: ast.Constant) -> None:
+    """``os.environ["NCCL_ASYNC_ERROR_HANDLING"] = "1"``, ``os.environ.setdefault("NCCL_DEBUG", ...)``,
+    ``env={"NCCL_IB_DISABLE": "1"}``."""
+    if not isinstance(node.value, str) or not _NCCL_VARIABLE.match(node.value):
+        return
+    parent = scan.tree.parent(node)
+    environ = (
+        isinstance(parent, ast.Subscript)
+        and parent.slice is node
+        and scan.names.qualname(parent.value) == "os.environ"
+    )
+    call = isinstance(parent, ast.Call) and scan.names.qualname(parent.func) in _ENV_CALLS
+    entry = isinstance(parent, ast.Dict) and any(k is node for k in parent.keys)
+    if (environ or call or entry) and not scan.guards.cuda_only(node):
+        scan.report("nccl-setting", node, f"`{node.value}` tunes NCCL, which exists only for NVIDIA GPUs")
+
+
+@FAMILY.check(ast.Import, ast.ImportFrom)
+def nccl_module(scan: FileScan, node: ast.Import | ast.ImportFrom) -> None:
+    """``import torch.cuda.nccl as nccl``, ``from torch.cuda import nccl``."""
+    if isinstance(node, ast.Import):
+        modules = [alias.name for alias in node.names]
+    elif node.level == 0 and node.module:
+        modules = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+    else:
+        return
+    if any(m == "torch.cuda.nccl" or m.startswith("torch.cuda.nccl.") for m in modules):
+        scan.report(
+            "nccl-setting", node, "`torch.cuda.nccl` binds NCCL directly: the import fails off NVIDIA"
+        )
+
+
+_DEFAULT_CUDA_SCALERS = frozenset({"GradScaler", "ShardedGradScaler"})
+"""``torch.amp.GradScaler(device="cuda")`` and FSDP's ``ShardedGradScaler(device="cuda")``: the
+device is the first parameter and defaults to CUDA (``torch.cuda.amp`` is ``cuda-amp``'s)."""
+_DEVICE_INDEX = re.compile(r"(^|_)(rank|gpu|gpu_id|gpu_idx|gpu_index|device_id|device_idx|device_index)$")
+"""Names that hold an integer device index (``local_rank``, ``args.gpu``, ``device_id``)."""
+
+
+@FAMILY.check(ast.Call)
+def cuda_by_default(scan: FileScan, node: ast.Call) -> None:
+    qualname = scan.names.qualname(node.func)
+    if (
+        qualname is not None
+        and qualname.startswith("torch.")
+        and not qualname.startswith("torch.cuda.")
+        and qualname.split(".")[-1] in _DEFAULT_CUDA_SCALERS
+        and not node.args
+        and not any(k.arg in ("device", None) for k in node.keywords)
+        and not scan.guards.cuda_only(node)
+    ):
+        name = qualname.split(".")[-1]
+        scan.report(
+            "cuda-default-device",
+            node,
+            f'`{name}()` without a device defaults to "cuda": off NVIDIA it warns and scales nothing, or raises',
+            f"`{name}(device.type)` with the device from the adapter (bf16 needs no scaler at all)",
+        )
+        return
+    method = scan.names.method(node)
+    if method == "to":
+        index = (
+            node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "device"), None)
+        )
+        if index is not None and _is_device_index(scan, index) and not scan.guards.cuda_only(node):
+            scan.report_method(
+                "cuda-default-device",
+                node,
+                f"`.to({scan.text(index, 30)})` moves to device index {scan.text(index, 30)} of the current "
+                "accelerator type, CUDA's: on TPU each worker sees one device and the index is out of range",
+            )
+
+
+def _is_device_index(scan: FileScan, node: ast.expr) -> bool:
+    """``local_rank``, ``args.gpu``, ``int(os.environ["LOCAL_RANK"])``, ``0``."""
+    if isinstance(node, ast.Constant):
+        return type(node.value) is int
+    if isinstance(node, ast.Call):
+        return scan.names.builtin(node) == "int"
+    if isinstance(node, ast.Name):
+        value = scan.tensors.resolve(node)
+        if isinstance(value, ast.Call | ast.Constant) and _is_device_index(scan, value):
+            return True
+    if isinstance(node, ast.Name | ast.Attribute):
+        return bool(_DEVICE_INDEX.search(terminal_name(node).lower()))
+    return False
+
+
+@FAMILY.check(ast.Call)
+def cuda_helper_call(scan: FileScan, node: ast.Call) -> None:
+    """``gc_cuda()`` where ``gc_cuda`` is defined in another audited module and calls ``torch.cuda``."""
+    if scan.project is None:
+        return
+    found = scan.project.helper(scan.names, node.func)
+    if found is not None and not scan.guards.cuda_only(node):
+        name, reason = found
+        scan.report("cuda-helper", node, f"`{name}()` {reason}")

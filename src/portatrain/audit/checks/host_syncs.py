@@ -4,8 +4,13 @@ each evaluation batch's outputs copied to the host.
 
 The step checks fire only in code that runs on every training step
 (:meth:`~portatrain.audit.context.FileScan.in_step`), which includes a logging gate whose interval
-defaults to 1; see :mod:`portatrain.audit.step`. In an evaluation loop a scalar read (``.item()``
-for a running sum or a progress line) is left alone; a copy of a batch's outputs is not.
+defaults to 1; see :mod:`portatrain.audit.step`. A metrics sink (``wandb.log({"loss": loss})``,
+``writer.add_scalar``) handed a tensor converts it on the host, so it is a read like ``.item()``.
+In an evaluation loop a scalar read (``val_loss.append(loss.item())``, ``float(torch.exp(loss))``)
+waits on the device once per batch and is reported too; a progress line is left alone, and so is
+a copy of each batch's outputs, which ``eval-host-copy`` reports. A value read from a tensor still
+on the host (``torch.tensor(lengths).sum().item()``, see :mod:`portatrain.audit.tensors`) waits on
+nothing and is never reported.
 
 Rules: ``host-sync``, ``data-dependent-shape``, ``tensor-control-flow``, ``eval-host-copy``.
 """
@@ -59,9 +64,81 @@ def _shown(scan: FileScan, node: ast.AST) -> bool:
     return False
 
 
+_EVAL_READ_FIX = (
+    "accumulate on the device (`total = total + loss.detach()`, `torch.stack` the values) and read "
+    "once after the loop"
+)
+
+
+@FAMILY.check(ast.Call)
+def evaluation_read(scan: FileScan, node: ast.Call) -> None:
+    """``val_loss.append(loss.item())``, ``float(torch.exp(loss))`` once per evaluation batch."""
+    method = scan.names.method(node)
+    builtin = scan.names.builtin(node)
+    if method == "item":
+        value = node.func.value  # type: ignore[attr-defined]
+        shown = f"`{scan.text(node, 40)}`"
+    elif builtin in ("float", "int") and len(node.args) == 1 and scan.tensors.is_tensor(node.args[0]):
+        value = node.args[0]
+        shown = f"`{scan.text(node, 40)}`"
+    else:
+        return
+    if scan.tensors.on_host(value) or _shown(scan, node) or not scan.step.in_evaluation_loop(node):
+        return
+    scan.report(
+        "host-sync",
+        node,
+        f"{shown} reads a tensor on the host once per evaluation batch: the device waits for each batch",
+        _EVAL_READ_FIX,
+    )
+
+
+_SINK_METHODS = frozenset({"log", "log_metrics", "log_dict", "add_scalar", "add_scalars"})
+_SINK_OWNERS = ("wandb", "run", "tracker", "writer", "summary", "tb", "mlflow", "experiment", "accelerator")
+
+
+@FAMILY.check(ast.Call)
+def logging_sink(scan: FileScan, node: ast.Call) -> None:
+    """``wandb.log({"train/loss": loss.detach().float()})`` on every step: the sink converts the
+    tensor to a Python number, which waits for the device."""
+    qualname = scan.names.qualname(node.func)
+    method = scan.names.method(node)
+    owner = terminal_name(node.func.value).lower() if isinstance(node.func, ast.Attribute) else ""
+    sink = (qualname or "").split(".")[0] in ("wandb", "mlflow") and (qualname or "").split(".")[-1] in (
+        "log",
+        "log_metric",
+        "log_metrics",
+    )
+    sink = sink or (method in _SINK_METHODS and any(o in owner for o in _SINK_OWNERS))
+    if not sink or not scan.in_step(node):
+        return
+    values = [*node.args, *(k.value for k in node.keywords)]
+    values += [v for d in values if isinstance(d, ast.Dict) for v in d.values]
+    tensors = [v for v in values if scan.tensors.is_tensor(v) and not scan.tensors.on_host(v)]
+    if tensors:
+        gate = scan.step.every_step_gate(node)
+        when = f"on every step (`{gate}` defaults to 1)" if gate else "on every step"
+        scan.report(
+            "host-sync",
+            node,
+            f"`{scan.text(node.func)}` converts the tensor `{scan.text(tensors[0], 40)}` to a number {when}: "
+            "the host waits for the device",
+            _EVERY_STEP_FIX
+            if gate
+            else "log on logging steps only (`if step % log_every == 0:`), with the "
+            "values read in one `torch.stack([...]).tolist()`",
+        )
+
+
 @FAMILY.check(ast.Call)
 def step_call(scan: FileScan, node: ast.Call) -> None:
     if not scan.in_step(node):
+        return
+    if isinstance(node.func, ast.Attribute) and scan.tensors.on_host(node.func.value):
+        return  # `torch.tensor(lengths).sum().item()`: a host tensor, nothing to wait for
+    if scan.names.builtin(node) in ("float", "int", "bool") and any(
+        scan.tensors.on_host(a) for a in node.args
+    ):
         return
     gate = scan.step.every_step_gate(node)
     if gate is not None:

@@ -5,7 +5,8 @@ and probes for torch features that every supported torch has (``hasattr(F,
 which keep a fallback path (hand-written attention, an unfused optimizer) alive for no torch that
 runs. A probe is judged against the torch the audit runs with, which the project requires anyway.
 
-``nn.SyncBatchNorm``, whose forward refuses devices without its kernels, is reported here too.
+``nn.SyncBatchNorm``, whose forward refuses devices without its kernels, is reported here too, and
+bitsandbytes reached through transformers (``BitsAndBytesConfig(...)``, ``load_in_4bit=True``).
 
 Rules: ``cuda-library``, ``cuda-extension``, ``sync-batchnorm``, ``feature-probe``.
 """
@@ -37,6 +38,9 @@ CUDA_LIBRARIES: dict[str, str] = {
     "pycuda": "torch tensor ops on the device",
 }
 """Top-level module -> portable replacement for CUDA-only kernel libraries."""
+
+_BNB_FIX = "bf16 weights, or a quantization the backend supports (torchao's, portatrain's `quantize.linear`)"
+_BNB_KEYWORDS = frozenset({"load_in_4bit", "load_in_8bit"})
 
 _CUDA_SOURCE = re.compile(r"^[\w./-]*\w\.cuh?$")  # kernel.cu, csrc/attn.cuh (not the bare suffix)
 
@@ -194,3 +198,30 @@ def _torch_object(qualname: str) -> object | None:
         if found is None:
             return None
     return found
+
+
+@FAMILY.check(ast.Call)
+def bitsandbytes_config(scan: FileScan, node: ast.Call) -> None:
+    """``BitsAndBytesConfig(load_in_4bit=True, ...)``: transformers quantizes through bitsandbytes."""
+    if terminal_name(node.func) == "BitsAndBytesConfig":
+        scan.report(
+            "cuda-library",
+            node,
+            "`BitsAndBytesConfig` quantizes through bitsandbytes, whose kernels are CUDA-only",
+            _BNB_FIX,
+        )
+        scan.claim(node)
+
+
+@FAMILY.check(ast.keyword)
+def bitsandbytes_keyword(scan: FileScan, node: ast.keyword) -> None:
+    """``from_pretrained(..., load_in_8bit=True)``: the same, without the config object."""
+    value = node.value
+    off = isinstance(value, ast.Constant) and value.value in (False, None)
+    if node.arg in _BNB_KEYWORDS and not off and not scan.claimed(node):
+        scan.report(
+            "cuda-library",
+            node,
+            f"`{node.arg}={scan.text(value, 30)}` quantizes through bitsandbytes, whose kernels are CUDA-only",
+            _BNB_FIX,
+        )
