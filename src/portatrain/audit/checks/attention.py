@@ -81,6 +81,8 @@ def _is_transposed(scan: FileScan, node: ast.AST, depth: int) -> bool:
 def _einsum_is_qk(spec: ast.AST) -> bool:
     """``"bhqd,bhkd->bhqk"``: two operands contracted over their shared last index, each keeping one
     free index -- a query-key product."""
+    if isinstance(spec, ast.JoinedStr) and all(isinstance(v, ast.Constant) for v in spec.values):
+        spec = ast.Constant("".join(str(v.value) for v in spec.values))  # f"b h i d, b h j d -> b h i j"
     if not (isinstance(spec, ast.Constant) and isinstance(spec.value, str) and "->" in spec.value):
         return False
     inputs, output = spec.value.replace(" ", "").replace("...", "").split("->", 1)

@@ -5,6 +5,10 @@ In a branch only CUDA takes (:mod:`portatrain.audit.guards`) these are CUDA's ow
 findings: the test that opens the branch is where portability is decided (and reported, when it
 is ``torch.cuda.is_available()`` or a ``"cuda" if ... else "cpu"`` choice).
 
+A ``"cuda"`` that is the default of a device (a ``device="cuda"`` parameter, ``getattr(args,
+"device", "cuda")``, ``add_argument("--device", default="cuda")``) is a hard-coded device too:
+every run that does not override it asks for CUDA.
+
 Rules: ``cuda-call``, ``cuda-device-string``, ``cuda-device-branch``, ``cuda-set-device``,
 ``ddp-device-ids``.
 """
@@ -86,6 +90,9 @@ def cuda_device_choice(scan: FileScan, node: ast.Name | ast.Attribute) -> None:
             return  # device-specific code in the branch only CUDA takes
         scan.report("cuda-set-device", node, "`torch.cuda.set_device` exists only for CUDA")
     elif parts[2] == "is_available":
+        statement = scan.tree.statement(node)
+        if statement is not None and scan.guards.cuda_only(statement):
+            return  # `if device_type == "cuda": ok = torch.cuda.is_available()`: CUDA's own check
         scan.report(
             "cuda-device-branch",
             node,
@@ -141,6 +148,31 @@ def cuda_device_concatenation(scan: FileScan, node: ast.BinOp) -> None:
         scan.report("cuda-device-string", node, f"`{scan.text(node)}` hard-codes the CUDA device")
 
 
+def _device_default(scan: FileScan, node: ast.expr, parent: ast.AST | None) -> bool:
+    """``"cuda"`` as the default of a device: ``def f(device="cuda")``, ``getattr(args, "device",
+    "cuda")``, ``cfg.get("device", "cuda")``, ``add_argument("--device", default="cuda")``."""
+    if isinstance(parent, ast.arguments):
+        args = parent
+        positional = [*args.posonlyargs, *args.args]
+        pairs = [
+            *zip(positional[len(positional) - len(args.defaults) :], args.defaults),
+            *zip(args.kwonlyargs, args.kw_defaults),
+        ]
+        return any(default is node and "device" in arg.arg.lower() for arg, default in pairs)
+    if isinstance(parent, ast.Call) and len(parent.args) >= 2 and parent.args[-1] is node:
+        key = parent.args[-2]
+        getter = scan.names.builtin(parent) == "getattr" or scan.names.method(parent) in ("get", "setdefault")
+        return getter and isinstance(key, ast.Constant) and "device" in str(key.value).lower()
+    if isinstance(parent, ast.keyword) and parent.arg == "default":
+        call = scan.tree.parent(parent)
+        return (
+            isinstance(call, ast.Call)
+            and terminal_name(call.func) == "add_argument"
+            and any(isinstance(a, ast.Constant) and "device" in str(a.value).lower() for a in call.args)
+        )
+    return False
+
+
 def _device_string(scan: FileScan, node: ast.expr, parent: ast.AST | None) -> None:
     """A ``"cuda..."`` string: reported where it names a device (a device argument or variable),
     and anywhere but a comparison when it names an index (``"cuda:0"``, ``f"cuda:{rank}"``)."""
@@ -156,5 +188,7 @@ def _device_string(scan: FileScan, node: ast.expr, parent: ast.AST | None) -> No
     elif isinstance(parent, ast.Assign | ast.AnnAssign):
         targets = parent.targets if isinstance(parent, ast.Assign) else [parent.target]
         context = any("device" in terminal_name(t).lower() for t in targets)
+    else:
+        context = _device_default(scan, node, parent)
     if context or (explicit and not isinstance(parent, ast.Compare)):
         scan.report("cuda-device-string", node, f"`{text}` hard-codes the CUDA device")
