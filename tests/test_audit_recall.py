@@ -6,7 +6,9 @@ its fixture; and recall and false positives on held-out training scripts written
 The first four scripts were marked and audited while the rules were written: auditing them found
 two misses and six false positives that four general fixes then closed (``nn.SyncBatchNorm``,
 ``attn_implementation`` as a dict entry, CUDA's own settings inside a CUDA-only branch,
-``padding=1`` read as ``padding=True``). The fifth was written after the rules were final."""
+``padding=1`` read as ``padding=True``). The fifth was written after the rules were final. Last,
+real training code from two PyPI packages (``tests/fixtures/audit/unseen/``), marked by hand before
+the audit first ran on it."""
 
 from __future__ import annotations
 
