@@ -82,9 +82,30 @@ def test_capacity_mode_drops_the_weakest_choices_first_and_counts_them() -> None
                 keep[t, j], used[e] = True, used[e] + 1
     assert not keep.all()
     assert torch.allclose(layer(x), _reference(layer, x, keep), atol=1e-5)
+    expected_load = layer.expert_load.max() / layer.expert_load.mean()
     stats = routing_stats(layer)
     assert stats["moe_dropped"] == pytest.approx((~keep).sum().item() / 80)
+    assert stats["moe_load_max_mean"] == pytest.approx(expected_load.item())
     assert layer.dropped.item() == 0  # read and reset
+
+
+def test_routing_stats_of_every_layer_are_one_host_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A logging step reads all layers' routing statistics at once (one ``tolist``), never one
+    ``.item()`` per figure and layer; layers that saw no forward are left out."""
+    model = torch.nn.ModuleList([_layer(), _layer(), _layer()])
+    x = torch.randn(40, 32)
+    model[0](x)
+    model[1](x)
+    reads: list[str] = []
+    for name in ("item", "tolist"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, _o=original, _n=name: reads.append(_n) or _o(self)
+        )
+    stats = routing_stats(model)
+    assert reads == ["tolist"]
+    assert set(stats) == {"moe_load_max_mean", "moe_aux_loss"}
+    assert stats["moe_aux_loss"] > 0 and stats["moe_load_max_mean"] >= 1.0
 
 
 def test_aux_loss_equals_transformers_and_reaches_the_router_gradient() -> None:

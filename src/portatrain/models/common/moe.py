@@ -517,17 +517,35 @@ def routing_stats(model: nn.Module) -> dict[str, float]:
     the worst layer; 1.0 is perfect balance), ``moe_aux_loss`` (mean over layers and forwards) and,
     in ``capacity`` mode, ``moe_dropped`` (the fraction of assignments dropped). Empty without MoE."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
-    seen = [m for m in layers if m.forwards.item() > 0]
-    if not seen:
+    if not layers:
         return {}
-    imbalance = max((m.expert_load.max() / m.expert_load.mean().clamp_min(1e-9)).item() for m in seen)
-    aux = sum((m.aux_loss_sum / m.forwards).item() for m in seen) / len(seen)
-    stats = {"moe_load_max_mean": imbalance, "moe_aux_loss": aux}
-    if any(m.dispatch == "capacity" for m in seen):
-        assigned = sum(m.expert_load.sum().item() for m in seen)
-        stats["moe_dropped"] = sum(m.dropped.item() for m in seen) / max(assigned, 1.0)
+    # One host read for every layer's figures (a row each: forwards, the busiest expert's load over
+    # the mean, the mean aux loss, assignments, drops), not five ``.item()`` per layer.
+    rows = torch.stack(
+        [
+            torch.stack(
+                [
+                    m.forwards.float(),
+                    m.expert_load.max() / m.expert_load.mean().clamp_min(1e-9),
+                    m.aux_loss_sum / m.forwards.clamp_min(1),
+                    m.expert_load.sum(),
+                    m.dropped.float(),
+                ]
+            ).float()
+            for m in layers
+        ]
+    ).tolist()
+    seen = [(m, row) for m, row in zip(layers, rows) if row[0] > 0]
     for m in layers:
         m.reset_stats()
+    if not seen:
+        return {}
+    stats = {
+        "moe_load_max_mean": max(row[1] for _, row in seen),
+        "moe_aux_loss": sum(row[2] for _, row in seen) / len(seen),
+    }
+    if any(m.dispatch == "capacity" for m, _ in seen):
+        stats["moe_dropped"] = sum(row[4] for _, row in seen) / max(sum(row[3] for _, row in seen), 1.0)
     return stats
 
 
