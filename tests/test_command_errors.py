@@ -28,13 +28,19 @@ FS_ERRORS = {errno.EROFS: "Read-only file system", errno.ENOSPC: "No space left 
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    """``portatrain ARGV`` in this process: (exit status, stderr); stdout is left in ``capsys``."""
+    """``portatrain ARGV`` in this process: (exit status, stderr); stdout is left in ``capsys``.
+    Hydra points the root logger at the captured stdout: its handlers are restored afterwards."""
     capsys.readouterr()
+    root = logging.getLogger()
+    handlers, level, saved_argv = list(root.handlers), root.level, sys.argv
+    sys.argv = ["portatrain"]
     try:
         main(argv=list(argv))
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        root.handlers[:], root.level, sys.argv = handlers, level, saved_argv
     captured = capsys.readouterr()
     print(captured.out, end="")  # back into capsys for the test to read
     return code, captured.err

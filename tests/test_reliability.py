@@ -567,16 +567,20 @@ def _leaf_dirs(root: Path) -> list[str]:
     return [str(p) for p in root.rglob("*") if p.is_dir() and not any(p.iterdir())] if root.exists() else []
 
 
-@pytest.mark.slow
-def test_errors_dry_runs_and_render_leave_no_empty_run_directory(tmp_path: Path) -> None:
+def test_errors_dry_runs_and_render_leave_no_empty_run_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.test_command_errors import run
+
+    monkeypatch.chdir(tmp_path)  # in this process (the CLI's main): the default run_dir is under cwd
     for args, status in [
         (["trainer.steps=-1"], 2),  # a configuration error
         (["device=neuron"], 2),  # a missing device
         (["dry_run=true"], 0),
         (["render", "parallel.launch.nodes=2", "parallel.launch.procs_per_node=2"], 0),
     ]:
-        out = _cli([*TINY, *args] if args[0] != "render" else [args[0], *TINY[1:], *args[1:]], tmp_path)
-        assert out.returncode == status, (args, out.stderr[-2000:])
+        code, err = run([*TINY, *args] if args[0] != "render" else [args[0], *TINY[1:], *args[1:]], capsys)
+        assert code == status, (args, err[-2000:])
         assert _leaf_dirs(tmp_path / "runs") == [], args
 
 
