@@ -170,6 +170,26 @@ def launch_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def launch_runs(nproc: int, runs: dict[str, list[str]], tmp_path: Path) -> dict[str, Path]:
+    """Train every run of ``runs`` (name -> overrides) in ONE torchrun launch of ``nproc`` processes
+    (``tests/launch_runs.py``: the processes start and join the process group once for all of them);
+    returns each run's directory under ``tmp_path``."""
+    dirs = {name: tmp_path / name for name in runs}
+    spec = [{"run_dir": str(dirs[name]), "overrides": overrides} for name, overrides in runs.items()]
+    (tmp_path / "runs.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    out = subprocess.run(
+        [*cmd, str(ROOT / "tests" / "launch_runs.py"), str(tmp_path / "runs.json")],
+        cwd=tmp_path,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    return dirs
+
+
 def sigterm_portatrain_torchrun(args: list[str], cwd: Path, after: str = "step 2/") -> tuple[int, str]:
     """``portatrain torchrun`` on 2 local processes, SIGTERMed once its log shows ``after``: (exit
     status, log)."""

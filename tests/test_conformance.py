@@ -21,7 +21,7 @@ it through its :class:`~portatrain.models.spec.ModelSpec` and the model/argument
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, here on a one-process gloo group):
   forward, backward and one AdamW step, each mixture-of-experts dispatch, within the tolerance derived
   in ``tests/helpers.py`` of the fp32 run;
-* FSDP2 on two processes (``torchrun``) equal to one process (slow);
+* FSDP2 on two processes (one ``torchrun`` launch for every family) equal to one process (slow);
 * the dry run's memory estimate (``spec.estimate_memory``) within 15% of the measured CPU peak;
 * a layout the family refuses (``spec.parallel_problems``) is one error, exit 2, in a dry run.
 
@@ -56,10 +56,10 @@ from tests.helpers import (
     compose_config,
     decoder_roundings,
     fit,
+    launch_runs,
     make_trainer,
     relative_error,
     run_cli,
-    torchrun,
     train_records,
 )
 
@@ -593,24 +593,21 @@ def test_init_from_the_export_is_bit_identical(family: str, trained, exported: P
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_fsdp2_on_two_processes_matches_one(family: str, trained, tmp_path: Path) -> None:
-    run_dir, _ = trained
+@pytest.fixture(scope="module")
+def fsdp2_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every family with ``parallel.dp_shard=2``, all in one two-process launch (one start-up)."""
     batch = "data.batch_size=2"  # per rank: the same global batch of 4 as the one-process run
-    out = torchrun(
-        2,
-        [
-            *TINY,
-            *family_overrides(family),
-            "parallel.dp_shard=2",
-            batch,
-            "checkpoint.enabled=false",
-            f"run_dir={tmp_path / 'run'}",
-        ],
-        cwd=tmp_path,
-    )
-    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-    records, reference = train_records(tmp_path / "run"), train_records(run_dir)
+    runs = {
+        family: [*TINY, *family_overrides(family), "parallel.dp_shard=2", batch, "checkpoint.enabled=false"]
+        for family in FAMILIES
+    }
+    return launch_runs(2, runs, tmp_path_factory.mktemp("fsdp2"))
+
+
+@pytest.mark.slow
+def test_fsdp2_on_two_processes_matches_one(family: str, trained, fsdp2_runs: dict[str, Path]) -> None:
+    run_dir, _ = trained
+    records, reference = train_records(fsdp2_runs[family]), train_records(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for got, want in zip(records, reference):
         assert got["loss"] == pytest.approx(want["loss"], abs=1e-5), (got, want)

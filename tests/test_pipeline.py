@@ -4,7 +4,7 @@
   stages of a rank (loop or V), the parts cut from a meta model (embedding first, norm and head last,
   unsplit names), and the initialization of the parts equal to the whole model's.
 * Bad input, refused by validation with one line each and exit 2, before any process group starts.
-* Under ``torchrun`` (slow tier), several layouts per launch (``tests/pipeline_runs.py``): every schedule
+* Under ``torchrun`` (slow tier), several layouts per launch (``tests/launch_runs.py``): every schedule
   on 2 processes, pp2 x dp2 and pp2 x tp2 on 4 (with activation checkpointing and compiled blocks),
   pp2 x dp2 x tp2 on 8, each equal to one process on the same global batch within 1e-5 (and 1F1B in
   bf16 against one process in bf16, within the bound of ``tests/helpers.py``); evaluation
@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 import subprocess
@@ -44,6 +43,7 @@ from tests.helpers import (
     decoder_roundings,
     fit,
     launch_env,
+    launch_runs,
     read_metrics,
     run_cli,
     sigterm_portatrain_torchrun,
@@ -245,23 +245,6 @@ def _torchrun(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
 
 
-def _launch(nproc: int, runs: dict[str, list[str]], tmp_path: Path) -> dict[str, Path]:
-    """Train every run of ``runs`` (name -> overrides) in one torchrun launch of ``nproc`` processes."""
-    dirs = {name: tmp_path / name for name in runs}
-    spec = [{"run_dir": str(dirs[name]), "overrides": overrides} for name, overrides in runs.items()]
-    (tmp_path / "runs.json").write_text(json.dumps(spec))
-    out = subprocess.run(
-        [*_torchrun(nproc), str(ROOT / "tests" / "pipeline_runs.py"), str(tmp_path / "runs.json")],
-        cwd=tmp_path,
-        env=launch_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
-    return dirs
-
-
 def _assert_same_steps(got: list[dict], want: list[dict], what: str) -> None:
     assert [r["step"] for r in got] == [r["step"] for r in want], what
     for g, w in zip(got, want, strict=True):
@@ -312,7 +295,7 @@ def two_processes(one_process, tmp_path_factory: pytest.TempPathFactory) -> dict
             "checkpoint.resume=auto",
         ],
     }
-    return _launch(2, runs, tmp_path)
+    return launch_runs(2, runs, tmp_path)
 
 
 @pytest.mark.slow
@@ -372,7 +355,7 @@ def test_pp2_with_fsdp2_and_with_tp2_on_four_processes_matches_one_process(
         "pp2_tp2": [*RUN, *PP2, "parallel.tp=2", "parallel.activation_checkpointing=selective"],
         "pp2_to_pp4": [*RUN, "parallel.pp=4", "parallel.pp_microbatches=4", f"checkpoint.resume={saved}"],
     }
-    dirs = _launch(4, runs, tmp_path)
+    dirs = launch_runs(4, runs, tmp_path)
     want = {name: one_process["train"] for name in runs} | {"pp2_to_pp4": one_process["train"][2:]}
     for name, run_dir in dirs.items():
         _assert_same_steps(train_records(run_dir), want[name], name)
@@ -381,7 +364,7 @@ def test_pp2_with_fsdp2_and_with_tp2_on_four_processes_matches_one_process(
 @pytest.mark.slow
 def test_pp2_dp2_tp2_on_eight_processes_matches_one_process(one_process, tmp_path: Path) -> None:
     runs = {"pp2_dp2_tp2": [*RUN, *PP2, "parallel.dp_shard=2", "parallel.tp=2", "data.batch_size=2"]}
-    dirs = _launch(8, runs, tmp_path)
+    dirs = launch_runs(8, runs, tmp_path)
     _assert_same_steps(train_records(dirs["pp2_dp2_tp2"]), one_process["train"], "pp2 x dp2 x tp2")
 
 
@@ -478,7 +461,7 @@ def test_pp2_with_fsdp2_and_with_tp2_on_the_sim_device_matches_one_process(
             "parallel.pp_microbatches=4",
         ],
     }
-    dirs = _launch(4, runs, tmp_path)
+    dirs = launch_runs(4, runs, tmp_path)
     for name, run_dir in dirs.items():
         _assert_same_steps(train_records(run_dir), one_process["train"], f"{name} on sim")
     evals = [r["eval_loss"] for r in read_metrics(dirs["pp2_dp2"]) if "eval_loss" in r]

@@ -1,9 +1,10 @@
 """Several training runs in one ``torchrun`` launch (its processes start and join the process group once).
 
-``python -m torch.distributed.run --nproc-per-node=N tests/pipeline_runs.py RUNS.json``, where RUNS.json
+``python -m torch.distributed.run --nproc-per-node=N tests/launch_runs.py RUNS.json``, where RUNS.json
 is a list of ``{"run_dir": ..., "overrides": [...]}``: each run is composed as the CLI composes it, trained
 by a Trainer, and closed; the process group stays up between runs (the last close tears it down).
-``tests/test_pipeline.py`` uses it to check several pipeline layouts for the price of one start-up.
+``tests.helpers.launch_runs`` runs it: the pipeline layouts and the conformance suite's FSDP2 runs of every
+family are checked for the price of one start-up each.
 """
 
 from __future__ import annotations
