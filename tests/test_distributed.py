@@ -1,10 +1,13 @@
 """Real multi-process training on CPU (gloo): FSDP2, TP, FSDP2 x TP, HSDP and two torchrun "nodes".
 
-Every run launches the unchanged ``portatrain`` command under a real ``torchrun`` and compares its
-per-step loss and gradient norm with one process training on the same global batch (N ranks with
-``data.batch_size=B`` read exactly the rows of one rank with ``N * B``). The weights start identical
-(``parallel.init_full_tensors``), gradients are the single-device ones (no double division by the
-dp degree), so the losses agree to fp32 rounding. Tiny model, five steps: each run takes seconds.
+Every run trains under a real ``torchrun`` and compares its per-step loss and gradient norm with one
+process training on the same global batch (N ranks with ``data.batch_size=B`` read exactly the rows
+of one rank with ``N * B``). The weights start identical (``parallel.init_full_tensors``), gradients
+are the single-device ones (no double division by the dp degree), so the losses agree to fp32
+rounding. Tiny model, five steps: each run takes seconds. FSDP2 and the two "nodes" launch the
+unchanged ``portatrain`` command (the torchrun contract: run directory, output); the two-process
+layouts (TP, HSDP, compiled TP blocks) share one launch (``tests/launch_runs.py``: its processes
+import torch and join the group once).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import pytest
 
 from portatrain.trainer import Trainer
 from tests.conftest import ROOT, TINY, compose_config
-from tests.helpers import train_records
+from tests.helpers import launch_runs, train_records
 
 pytestmark = pytest.mark.slow
 
@@ -55,12 +58,12 @@ def _failure(out: subprocess.CompletedProcess) -> str:
     return f"exit code {out.returncode}\n--- stdout\n{out.stdout[-4000:]}\n--- stderr\n{out.stderr[-4000:]}"
 
 
-def _assert_matches(records: list[dict], reference: list[dict], steps: int = STEPS) -> None:
-    assert [r["step"] for r in records] == list(range(1, steps + 1))
+def _assert_matches(records: list[dict], reference: list[dict], steps: int = STEPS, what: str = "") -> None:
+    assert [r["step"] for r in records] == list(range(1, steps + 1)), what
     for got, want in zip(records, reference):
-        assert got["loss"] == pytest.approx(want["loss"], abs=1e-5), (got, want)
+        assert got["loss"] == pytest.approx(want["loss"], abs=1e-5), (what, got, want)
         # The pre-clip global norm, reduced across the FSDP/TP meshes, is the single-device norm.
-        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (got, want)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (what, got, want)
 
 
 def test_fsdp2_two_processes_match_one_and_write_once(tmp_path: Path, reference: list[dict]) -> None:
@@ -85,24 +88,46 @@ def test_fsdp2_two_processes_match_one_and_write_once(tmp_path: Path, reference:
     assert f"{STEPS}/{STEPS}" not in rank1
 
 
-@pytest.mark.parametrize(
-    ("nproc", "layout", "batch_size"),
-    [
-        (2, ["parallel.tp=2"], GLOBAL_BATCH),
-        (4, ["parallel.dp_shard=2", "parallel.tp=2"], GLOBAL_BATCH // 2),
-        (2, ["parallel.dp_replicate=2"], GLOBAL_BATCH // 2),
+TWO_PROCESS_LAYOUTS = {
+    "tp2": ["parallel.tp=2", f"data.batch_size={GLOBAL_BATCH}"],
+    "hsdp_replicate2": ["parallel.dp_replicate=2", f"data.batch_size={GLOBAL_BATCH // 2}"],
+    # TP -> selective AC -> per-block compile: TP is where compiled blocks meet DTensor
+    # redistributions (see ``parallelize._detach_view_from_compiled_blocks``). Two steps, since
+    # compiling on CPU dominates; the first two learning rates do not depend on ``trainer.steps``.
+    "tp2_selective_compiled": [
+        "trainer.steps=2",
+        "parallel.tp=2",
+        "parallel.activation_checkpointing=selective",
+        "compile.enabled=true",
+        f"data.batch_size={GLOBAL_BATCH}",
     ],
-    ids=["tp2", "fsdp2xtp2", "hsdp_replicate2"],
-)
+}
+
+
+@pytest.fixture(scope="module")
+def two_process_layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every two-process layout, trained in one two-process launch."""
+    runs = {
+        name: [*COMMON, *layout, "checkpoint.enabled=false"] for name, layout in TWO_PROCESS_LAYOUTS.items()
+    }
+    return launch_runs(2, runs, tmp_path_factory.mktemp("two_process_layouts"))
+
+
+@pytest.mark.parametrize("layout", ["tp2", "hsdp_replicate2"])
 def test_layouts_match_one_process(
-    tmp_path: Path, reference: list[dict], nproc: int, layout: list[str], batch_size: int
+    two_process_layouts: dict[str, Path], reference: list[dict], layout: str
 ) -> None:
+    _assert_matches(train_records(two_process_layouts[layout]), reference, what=layout)
+
+
+def test_fsdp2_x_tp2_on_four_processes_matches_one_process(tmp_path: Path, reference: list[dict]) -> None:
     out = _torchrun(
-        ["--standalone", f"--nproc-per-node={nproc}"],
+        ["--standalone", "--nproc-per-node=4"],
         [
             *COMMON,
-            *layout,
-            f"data.batch_size={batch_size}",
+            "parallel.dp_shard=2",
+            "parallel.tp=2",
+            f"data.batch_size={GLOBAL_BATCH // 2}",
             f"run_dir={tmp_path / 'run'}",
             "checkpoint.enabled=false",
         ],
@@ -113,27 +138,11 @@ def test_layouts_match_one_process(
 
 
 def test_compiled_blocks_with_tp_and_selective_checkpointing_match(
-    tmp_path: Path, reference: list[dict]
+    two_process_layouts: dict[str, Path], reference: list[dict]
 ) -> None:
-    """TP -> selective AC -> per-block compile: TP is where compiled blocks meet DTensor
-    redistributions (see ``parallelize._detach_view_from_compiled_blocks``). Two steps, since compiling
-    on CPU dominates; the first two learning rates do not depend on ``trainer.steps``."""
-    out = _torchrun(
-        ["--standalone", "--nproc-per-node=2"],
-        [
-            *COMMON,
-            "trainer.steps=2",
-            "parallel.tp=2",
-            "parallel.activation_checkpointing=selective",
-            "compile.enabled=true",
-            f"data.batch_size={GLOBAL_BATCH}",
-            f"run_dir={tmp_path / 'run'}",
-            "checkpoint.enabled=false",
-        ],
-        cwd=tmp_path,
-    )
-    assert out.returncode == 0, _failure(out)
-    _assert_matches(train_records(tmp_path / "run"), reference[:2], steps=2)
+    """Inductor (the CPU default) on TP blocks with selective activation checkpointing."""
+    records = train_records(two_process_layouts["tp2_selective_compiled"])
+    _assert_matches(records, reference[:2], steps=2, what="tp2, selective AC, compiled blocks")
 
 
 def free_port() -> int:
