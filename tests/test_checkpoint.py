@@ -293,14 +293,15 @@ def test_a_full_disk_in_process_mode_is_one_line_without_the_checkpoint_process_
 ) -> None:
     """DCP's checkpoint process shares the training process's stderr (capfd reads the descriptor): it
     printed its own 25-line traceback of the failed save before the training process's one line."""
-    real_stage = Checkpointer._stage
+    from portatrain.checkpoint.staging import AsyncSaves
 
-    def stage_onto_a_full_disk(self: Checkpointer, tensors: dict) -> dict:
-        for tmp in self.folder.glob("step_*.tmp"):  # the file the checkpoint process writes next
-            (tmp / "__0_0.distcp").symlink_to("/dev/full")
-        return real_stage(self, tensors)
+    real_start = AsyncSaves.start
 
-    monkeypatch.setattr(Checkpointer, "_stage", stage_onto_a_full_disk)
+    def start_onto_a_full_disk(self: AsyncSaves, tensors: dict, tmp: Path, commit) -> None:
+        (tmp / "__0_0.distcp").symlink_to("/dev/full")  # the file the checkpoint process writes next
+        real_start(self, tensors, tmp, commit)
+
+    monkeypatch.setattr(AsyncSaves, "start", start_onto_a_full_disk)
     with pytest.raises(CheckpointError, match="no space left on device while saving checkpoint step 1"):
         fit(["trainer.steps=1", "model.n_layers=1", "checkpoint.async_mode=process"], tmp_path)
     err = capfd.readouterr().err

@@ -5,10 +5,16 @@ One module per concern:
 - ``checkpointer.py`` -- :class:`Checkpointer` saves a training state with
   ``torch.distributed.checkpoint`` (DCP) every ``checkpoint.every`` steps and at the end, keeps the
   last K, and loads one back -- into the same or a different number of ranks (FSDP2 DTensors are
-  resharded by DCP's planner); :func:`complete_checkpoints`, :func:`read_trainer_state` and
+  resharded by DCP's planner);
+- ``discovery.py`` -- :func:`complete_checkpoints`, :func:`read_trainer_state` and
   :func:`inspect_checkpoint` find and check checkpoints without reading their tensors;
+- ``rotation.py`` -- renames a written save in (replacing a stale one, superseding later steps) and
+  deletes those beyond ``checkpoint.keep``, each step a rename;
+- ``diagnostics.py`` -- the one-line report of a failed save (a full disk: how much a checkpoint
+  needs and how much is free) or of a checkpoint whose tensors are unreadable;
 - ``staging.py`` -- ``checkpoint.async_mode=thread|process``: the staging copy (reused host buffers,
-  pinned on CUDA) that DCP's ``async_save`` writes in the background while training goes on;
+  pinned on CUDA) that DCP's ``async_save`` writes in the background while training goes on, and
+  the thread that commits it;
 - ``resume.py`` -- the resume policy: :func:`resolve_resume` turns ``checkpoint.resume``
   (``none``/``auto``/a path) into a directory and refuses to start a new run over another run's
   checkpoints; :func:`load_dataloader_state` continues the data order;
@@ -62,13 +68,11 @@ from __future__ import annotations
 from portatrain.checkpoint.checkpointer import (
     LEGACY_MODEL_NAME,
     Checkpointer,
-    complete_checkpoints,
-    inspect_checkpoint,
     load_model_weights,
     model_args_dict,
-    read_trainer_state,
 )
 from portatrain.checkpoint.common import FORMAT, CheckpointError, UnsafeCheckpointError
+from portatrain.checkpoint.discovery import complete_checkpoints, inspect_checkpoint, read_trainer_state
 from portatrain.checkpoint.hf import load_hf_weights
 from portatrain.checkpoint.preemption import PreemptionWatcher, sigterm_interrupts
 from portatrain.checkpoint.resume import find_checkpoint, load_dataloader_state, newest_usable, resolve_resume

@@ -1,10 +1,16 @@
-"""The DCP checkpointer: save, load and discover ``step_<N>`` checkpoints of a training run.
+"""The DCP checkpointer: save and load ``step_<N>`` checkpoints of a training run.
 
 - :class:`Checkpointer` saves a training state with ``torch.distributed.checkpoint`` (DCP) every
   ``checkpoint.every`` steps and at the end, keeps the last K, and loads one back -- into the same
   or a different number of ranks (FSDP2 DTensors are resharded by DCP's planner);
-- :func:`complete_checkpoints`, :func:`read_trainer_state` and :func:`inspect_checkpoint` find and
-  check checkpoints without reading their tensors.
+- :func:`load_model_weights` loads a model's weights only (evaluation);
+- :func:`changed_hyperparameters` -- the resume policy for optimizer hyper-parameters.
+
+Its parts live beside it: finding and checking checkpoints without reading tensors
+(``discovery.py``; :func:`complete_checkpoints`, :func:`read_trainer_state` and
+:func:`inspect_checkpoint` are re-exported here), renaming a save in and rotating
+(``rotation.py``), the save in flight of ``async_mode=thread|process`` (``staging.py``), and the
+one-line report of a failed save or an unreadable checkpoint (``diagnostics.py``).
 
 See ``portatrain.checkpoint`` for the on-disk layout and the atomicity rule.
 """
@@ -14,51 +20,34 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import shutil
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from portatrain.checkpoint.common import (
     FORMAT,
-    FULL_BELOW_BYTES,
     METADATA,
-    STEP_DIR,
     TRAINER_STATE,
     CheckpointError,
-    UnsafeCheckpointError,
     any_rank,
-    bytes_on_disk,
-    free_bytes,
-    fsync_dir,
     get_rank,
     get_world_size,
-    is_disk_full,
-    mib,
     remove_leftovers,
-    root_causes,
-    short_cause,
     some,
-    step_of,
-    sum_over_ranks,
     write_json,
 )
-from portatrain.checkpoint.safe_metadata import UnsafeMetadataError, safe_reader
-from portatrain.checkpoint.verify import (
-    ALGORITHM,
-    DamagedCheckpointError,
-    check_json_digest,
-    checksums,
-    flat_tensors,
-    state_bytes,
-    verify_loaded,
-)
+from portatrain.checkpoint.diagnostics import raise_save_failure, unreadable
+from portatrain.checkpoint.discovery import complete_checkpoints as complete_checkpoints
+from portatrain.checkpoint.discovery import inspect_checkpoint
+from portatrain.checkpoint.discovery import read_trainer_state as read_trainer_state
+from portatrain.checkpoint.rotation import publish
+from portatrain.checkpoint.safe_metadata import safe_reader
+from portatrain.checkpoint.staging import AsyncSaves
+from portatrain.checkpoint.verify import ALGORITHM, check_json_digest, checksums, flat_tensors, verify_loaded
 
 # torch.distributed.checkpoint is imported inside the functions that use it: `portatrain --help`
 # should not pay DCP's ~0.8 s import.
@@ -67,67 +56,6 @@ logger = logging.getLogger(__name__)
 
 LEGACY_MODEL_NAME = "llama3"
 """The family of checkpoints saved before ``trainer_state.json`` recorded ``model_name``."""
-
-
-def complete_checkpoints(folder: Path) -> list[Path]:
-    """Complete checkpoints under ``folder`` (``step_<N>``, DCP index and trainer state present), oldest first."""
-    if not folder.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_DIR.match(p.name))]
-    return [p for _, p in sorted(found) if (p / METADATA).is_file() and (p / TRAINER_STATE).is_file()]
-
-
-def read_trainer_state(path: Path) -> dict[str, Any]:
-    """The JSON part of a checkpoint; raises :class:`CheckpointError` naming what is missing."""
-    path = Path(path)
-    if path.name.endswith(".tmp"):
-        raise CheckpointError(
-            f"checkpoint {path} is an unfinished save (it was never renamed to its final name, so not "
-            "every rank is known to have completed it); resume from a step_* directory without .tmp"
-        )
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
-    for name in (METADATA, TRAINER_STATE):
-        if not (path / name).is_file():
-            raise CheckpointError(
-                f"checkpoint {path} is incomplete: {path / name} is missing (an interrupted save, or "
-                f"not a portatrain checkpoint); resume from an earlier step_* directory"
-            )
-    try:
-        state = json.loads((path / TRAINER_STATE).read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint file {path / TRAINER_STATE} is unreadable: {exc}") from None
-    file = path / TRAINER_STATE
-    if not isinstance(state, dict):
-        raise CheckpointError(
-            f"checkpoint file {file} holds a JSON {type(state).__name__}, not the object portatrain "
-            "writes (the file was edited or replaced); resume from an earlier step_* directory"
-        )
-    if state.get("format") != FORMAT:
-        raise CheckpointError(
-            f"checkpoint file {file} has format {state.get('format')!r}; this portatrain reads {FORMAT!r}"
-        )
-    wrong = [
-        f"{key} ({'missing' if key not in state else type(state[key]).__name__ + ', not ' + kind.__name__})"
-        for key, kind in _STATE_KEYS.items()
-        if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool)
-    ]
-    if wrong:
-        raise CheckpointError(
-            f"checkpoint file {file} is damaged: {', '.join(wrong)} (the file was edited or truncated); "
-            "resume from an earlier step_* directory"
-        )
-    return check_json_digest(file, state, "resume from an earlier step_* directory")
-
-
-# What a resume reads from trainer_state.json, and its JSON type.
-_STATE_KEYS: dict[str, type] = {
-    "step": int,
-    "tokens_seen": int,
-    "lr_scheduler": dict,
-    "optimizer_param_groups": list,
-    "world_size": int,
-}
 
 
 class Checkpointer:
@@ -149,23 +77,13 @@ class Checkpointer:
     ) -> None:
         self.folder = Path(folder)
         self.async_mode = async_mode
-        self.pinned_staging = pinned_staging
-        """The device's synchronize where its adapter stages into pinned host memory
-        (``Accelerator.pinned_staging``), else None: plain host buffers and blocking copies."""
         """``none``, ``thread`` or ``process`` (``portatrain.checkpoint.staging``): with the latter two,
         :meth:`save` returns once the state is staged and the write goes on in the background."""
         self.blocked_s = 0.0
         """Seconds the caller spent inside :meth:`save` and :meth:`wait` (the loop's cost of checkpoints)."""
-        self._in_flight: Future | None = None
-        self._executor: ThreadPoolExecutor | None = None
-        self._stager: Any = None
-        self._group: Any = None
-        if async_mode == "process":
-            from portatrain.checkpoint.staging import spawn_problem
-
-            problem = spawn_problem()
-            if problem is not None:
-                raise CheckpointError(problem)
+        # pinned_staging: the device's synchronize where its adapter stages into pinned host memory
+        # (``Accelerator.pinned_staging``), else None: plain host buffers and blocking copies.
+        self._async = None if async_mode == "none" else AsyncSaves(async_mode, pinned_staging=pinned_staging)
         self.keep = keep
         """Complete checkpoints kept after a save; <= 0 keeps all."""
         self.every = every
@@ -231,12 +149,11 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; raise its :class:`CheckpointError`
         (on every rank). Collective when a save is in flight."""
-        if self._in_flight is None:
+        if self._async is None or not self._async.in_flight:
             return
         start = time.perf_counter()
-        future, self._in_flight = self._in_flight, None
         try:
-            future.result()
+            self._async.wait()
         finally:
             self.blocked_s += time.perf_counter() - start
 
@@ -248,13 +165,8 @@ class Checkpointer:
         except CheckpointError as exc:  # after fit() failed: report it, don't mask that failure
             logger.error("%s", exc)
         finally:
-            if self._executor is not None:
-                self._executor.shutdown()
-                self._executor = None
-            if self.async_mode == "process":
-                from portatrain.checkpoint.staging import stop_checkpoint_process
-
-                stop_checkpoint_process()
+            if self._async is not None:
+                self._async.close()
 
     def _save(
         self,
@@ -281,7 +193,7 @@ class Checkpointer:
             except OSError as exc:
                 error = exc
         if any_rank(error is not None):
-            self._fail(step, final, tmp, error, {})
+            self._fail(step, final, tmp, error, {}, group=None)
 
         model_sd, optim_sd = get_state_dict(model, optimizer)
         rank = get_rank()
@@ -311,7 +223,7 @@ class Checkpointer:
                 (tmp / "config.yaml").write_text(config_yaml)
         except OSError as exc:  # disk full on this rank: still join the collective save below
             error = exc
-        if self.async_mode == "none":
+        if self._async is None:
             try:
                 # DCP writes .metadata last, on rank 0, after gathering every rank's write results;
                 # a failure on any rank is raised on every rank.
@@ -322,46 +234,13 @@ class Checkpointer:
             return final
         # Asynchronous: the loop waits for the staging copy only. The write, and the commit after it
         # (collectives on a gloo group of their own, never the loop's), run in the background.
-        staged = self._stage(tensors)
-        upload = dcp.async_save(
-            staged,
-            checkpoint_id=str(tmp),
-            process_group=self._group,
-            async_checkpointer_type=_checkpointer_type(self.async_mode),
-            async_stager=_already_staged(),
-        )
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
-        self._in_flight = self._executor.submit(self._finish, step, final, tmp, error, staged, upload)
+        saves = self._async
+
+        def commit(write_error: BaseException | None, staged: Any) -> None:
+            self._commit(step, final, tmp, error or write_error, staged, group=saves.group)
+
+        saves.start(tensors, tmp, commit)
         return final
-
-    def _stage(self, tensors: dict[str, Any]) -> dict[str, Any]:
-        """The CPU copy DCP writes in the background (``portatrain.checkpoint.staging``)."""
-        from portatrain.checkpoint.staging import Stager
-
-        if self._stager is None:
-            process = self.async_mode == "process"
-            if process and not dist.is_initialized():
-                # DCP's checkpoint process joins a gloo group of the training ranks: a single process
-                # makes a group of one (its world size stays 1 for everything else).
-                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                # Collective (every rank saves at the same step): the background commit's own group.
-                self._group = dist.new_group(backend="gloo")
-            self._stager = Stager(synchronize=self.pinned_staging, share_memory=process)
-        return self._stager.stage(tensors)
-
-    def _finish(
-        self, step: int, final: Path, tmp: Path, error: BaseException | None, tensors: Any, upload: Future
-    ) -> None:
-        """Background: wait for DCP's write, then commit as a synchronous save does."""
-        import torch.distributed.checkpoint as dcp
-
-        try:
-            upload.result()
-        except (Exception, dcp.CheckpointException) as exc:
-            error = error or exc
-        self._commit(step, final, tmp, error, tensors, group=self._group)
 
     def _commit(
         self, step: int, final: Path, tmp: Path, error: BaseException | None, tensors: Any, *, group: Any
@@ -372,7 +251,7 @@ class Checkpointer:
             self._fail(step, final, tmp, error, tensors, group)
         if self.is_main:
             try:
-                self._publish(step, final, tmp)
+                publish(self.folder, step, final, tmp, keep=self.keep)
             except OSError as exc:
                 error = exc
         if any_rank(error is not None, group):
@@ -381,84 +260,10 @@ class Checkpointer:
         if self.is_main:
             logger.info("saved checkpoint %s", final)
 
-    def _publish(self, step: int, final: Path, tmp: Path) -> None:
-        """Rank 0, once every rank has written: rename the new checkpoint in, then rotate."""
-        aside = final.with_name(final.name + ".old")
-        replaced = final.exists()
-        if replaced:
-            logger.warning(
-                "checkpoint %s already exists (a broken save, or a run rolled back past this step): "
-                "replacing it with this run's step %d",
-                final,
-                step,
-            )
-            final.rename(aside)
-        tmp.rename(final)
-        fsync_dir(self.folder)
-        if replaced:
-            shutil.rmtree(aside)
-        newer = [p for p in complete_checkpoints(self.folder) if step_of(p) > step]
-        if newer:
-            logger.warning(
-                "checkpoint(s) %s are ahead of this run's step %d (left by a run this one was rolled "
-                "back from); renaming them *.superseded so checkpoint.resume=auto continues this run",
-                ", ".join(p.name for p in newer),
-                step,
-            )
-            for path in newer:
-                target = path.with_name(path.name + ".superseded")
-                shutil.rmtree(target, ignore_errors=True)
-                path.rename(target)
-        if self.keep > 0:
-            for old in complete_checkpoints(self.folder)[: -self.keep]:
-                trash = old.with_name(old.name + ".deleting")
-                old.rename(trash)  # atomic: the checkpoint is gone whole, or still complete
-                fsync_dir(self.folder)
-                shutil.rmtree(trash)
-        fsync_dir(self.folder)
-
     def _fail(
-        self,
-        step: int,
-        final: Path,
-        tmp: Path,
-        error: BaseException | None,
-        tensors: Mapping[str, Any],
-        group: Any = None,
+        self, step: int, final: Path, tmp: Path, error: BaseException | None, tensors: Any, group: Any
     ) -> None:
-        """Remove this save's partial files and raise one message on every rank (collective).
-
-        A full disk does not always surface as ``ENOSPC``: ``torch.save`` inside DCP reports a short
-        write as ``RuntimeError: [enforce fail at inline_container.cc] unexpected pos``. So the free
-        space is looked at too, before the partial files are removed: a failed write with (almost)
-        nothing left is a full disk, and the message says how much the checkpoint needs.
-        """
-        causes = root_causes(error) if error is not None else []
-        disk_full = any(is_disk_full(c) for c in causes) or free_bytes(self.folder) < FULL_BELOW_BYTES
-        if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        previous = complete_checkpoints(self.folder)
-        kept = (
-            f"the previous checkpoint {previous[-1].name} is intact"
-            if previous
-            else "no earlier checkpoint exists"
-        )
-        if any_rank(disk_full, group):
-            # The previous checkpoint's size when there is one (same model, same files), else the
-            # bytes of the tensors being saved.
-            needed = bytes_on_disk(previous[-1]) if previous else sum_over_ranks(state_bytes(tensors), group)
-            free = free_bytes(self.folder)
-            raise CheckpointError(
-                f"no space left on device while saving checkpoint step {step} into {self.folder}: a "
-                f"checkpoint needs about {mib(needed)} and {mib(free)} is free once the partial save is "
-                f"removed; nothing of step {step} was kept and {kept}. Free at least "
-                f"{mib(max(needed - free, 0))} more (or lower checkpoint.keep, or choose a run_dir on a "
-                "larger disk), then continue with checkpoint.resume=auto"
-            )
-        detail = short_cause(causes[0]) if causes else "another rank failed to write its part"
-        raise CheckpointError(
-            f"saving checkpoint {final} failed ({detail}); nothing of step {step} was kept and {kept}"
-        ) from (causes[0] if causes and isinstance(causes[0], Exception) else None)
+        raise_save_failure(self.folder, step, final, tmp, error, tensors, is_main=self.is_main, group=group)
 
     def load(
         self,
@@ -520,7 +325,7 @@ class Checkpointer:
         except CheckpointError:
             raise
         except (Exception, dcp.CheckpointException) as exc:  # the latter is a BaseException
-            raise _unreadable(path, exc) from None
+            raise unreadable(path, exc) from None
         self.last_step, self.last_verified = int(state["step"]), "loaded"
         return state, loader_state, tensors.get("rng", {}).get(f"rank{rank}")
 
@@ -530,17 +335,6 @@ def _saved_dtypes(metadata: Any) -> dict[str, torch.dtype]:
     return {
         k: v.properties.dtype for k, v in metadata.state_dict_metadata.items() if hasattr(v, "properties")
     }
-
-
-def _unreadable(path: Path, exc: BaseException) -> DamagedCheckpointError:
-    """DCP reports failures as CheckpointException, a BaseException: name the checkpoint and the
-    first cause in one line (its remote tracebacks, and torch.load's advice to pass
-    weights_only=False, help nobody whose checkpoint file was damaged)."""
-    return DamagedCheckpointError(
-        f"checkpoint {path} is corrupt: reading its tensors failed ({short_cause(root_causes(exc)[0])}); "
-        "a *.distcp file was overwritten or damaged. Resume from an earlier step_* directory "
-        "(checkpoint.resume=auto skips it)"
-    )
 
 
 def load_model_weights(path: Path, model: nn.Module) -> dict[str, Any]:
@@ -562,20 +356,8 @@ def load_model_weights(path: Path, model: nn.Module) -> dict[str, Any]:
     except CheckpointError:
         raise
     except (Exception, dcp.CheckpointException) as exc:
-        raise _unreadable(path, exc) from None
+        raise unreadable(path, exc) from None
     return state
-
-
-def _checkpointer_type(async_mode: str) -> Any:
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-    return AsyncCheckpointerType.PROCESS if async_mode == "process" else AsyncCheckpointerType.THREAD
-
-
-def _already_staged() -> Any:
-    from portatrain.checkpoint.staging import AlreadyStaged
-
-    return AlreadyStaged()
 
 
 def _read_loader_state(path: Path, rank: int) -> dict[str, Any] | None:
@@ -598,15 +380,6 @@ def _read_loader_state(path: Path, rank: int) -> dict[str, Any] | None:
     return None if value is None else check_json_digest(file, value, fix)
 
 
-# Optimizer hyper-parameters compared on resume (and the config key that sets each).
-_HYPER = {
-    "initial_lr": "optim.lr",
-    "betas": "optim.betas",
-    "eps": "optim.eps",
-    "weight_decay": "optim.weight_decay",
-}
-
-
 def _current_param_groups(
     path: Path, saved: list[dict[str, Any]], current: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
@@ -617,70 +390,37 @@ def _current_param_groups(
             f"checkpoint {path}: its optimizer has {len(saved)} parameter groups, this one {len(current)} "
             "(another optimizer or parameter grouping); resume with the recipe that saved it"
         )
+    if not all(isinstance(old, dict) for old in saved):
+        raise CheckpointError(f"checkpoint file {path / TRAINER_STATE}: optimizer_param_groups is damaged")
+    changes = changed_hyperparameters(saved, current)
+    if changes:
+        logger.warning(
+            "resuming %s with changed optimizer settings, applied from the config: %s",
+            path,
+            "; ".join(changes),
+        )
+    return [dict(group) for group in current]
+
+
+def changed_hyperparameters(saved: list[dict[str, Any]], current: list[dict[str, Any]]) -> list[str]:
+    """The resume policy for optimizer hyper-parameters: the config's values win over the
+    checkpoint's; each one that differs is returned as ``"optim.lr 0.001 -> 0.0005"`` (sorted)."""
+    # The hyper-parameters compared, and the config key that sets each.
+    hyper = {
+        "initial_lr": "optim.lr",
+        "betas": "optim.betas",
+        "eps": "optim.eps",
+        "weight_decay": "optim.weight_decay",
+    }
     changes = set()
     for old, new in zip(saved, current):
-        if not isinstance(old, dict):
-            raise CheckpointError(
-                f"checkpoint file {path / TRAINER_STATE}: optimizer_param_groups is damaged"
-            )
-        for key, name in _HYPER.items():
+        for key, name in hyper.items():
             before, after = old.get(key), new.get(key)
             if isinstance(after, tuple):
                 before = tuple(before) if isinstance(before, list) else before
             if before is not None and after is not None and before != after:
                 changes.add(f"{name} {before} -> {after}")
-    if changes:
-        logger.warning(
-            "resuming %s with changed optimizer settings, applied from the config: %s",
-            path,
-            "; ".join(sorted(changes)),
-        )
-    return [dict(group) for group in current]
-
-
-def inspect_checkpoint(path: Path) -> tuple[dict[str, Any], Any]:
-    """Validate a checkpoint without reading its tensors: ``(trainer state, DCP metadata)``.
-
-    Checks that the JSON state and DCP's index are readable and that every data file the index
-    points into exists and is long enough; raises :class:`CheckpointError` naming the bad file.
-    """
-    path = Path(path)
-    state = read_trainer_state(path)
-    metadata = _read_dcp_metadata(path)
-    _check_files(path, metadata)
-    return state, metadata
-
-
-def _read_dcp_metadata(path: Path) -> Any:
-    try:
-        return safe_reader(str(path)).read_metadata()
-    except UnsafeMetadataError as exc:
-        raise UnsafeCheckpointError(
-            f"checkpoint {path} is unsafe and was not loaded: its index {path / METADATA}: {exc}. "
-            "Load only checkpoints written by portatrain; delete this one, or resume from another step_* directory"
-        ) from None
-    except Exception as exc:
-        raise CheckpointError(
-            f"checkpoint file {path / METADATA} is unreadable ({type(exc).__name__}: {exc}); "
-            "the file is truncated or corrupt -- resume from an earlier step_* directory"
-        ) from None
-
-
-def _check_files(path: Path, metadata: Any) -> None:
-    """Every data file the index points into exists and is long enough (catches truncation early)."""
-    needed: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint file {file} is missing; the checkpoint is incomplete")
-        actual = file.stat().st_size
-        if actual < size:
-            raise CheckpointError(
-                f"checkpoint file {file} is truncated: {actual} bytes, the index needs {size}; "
-                "resume from an earlier step_* directory"
-            )
+    return sorted(changes)
 
 
 def _check_shapes(path: Path, metadata: Any, model_sd: Mapping[str, Any]) -> None:

@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from portatrain.checkpoint.checkpointer import complete_checkpoints, inspect_checkpoint, read_trainer_state
 from portatrain.checkpoint.common import (
     STEP_DIR,
     CheckpointError,
@@ -22,6 +21,7 @@ from portatrain.checkpoint.common import (
     broadcast_from_main,
     get_rank,
 )
+from portatrain.checkpoint.discovery import complete_checkpoints, inspect_checkpoint, read_trainer_state
 
 if TYPE_CHECKING:
     from torchdata.stateful_dataloader import StatefulDataLoader

@@ -9,12 +9,14 @@ training goes on (``checkpoint.async_mode=thread|process``).
   ``async_save`` block for 17-20% of a synchronous save; a copy into warm buffers is a ``memcpy``;
 - :class:`AlreadyStaged` -- the ``AsyncStager`` handed to ``dcp.async_save``, which then stages
   nothing itself;
+- :class:`AsyncSaves` -- the save in flight: staging, ``dcp.async_save``, and the commit thread;
 - :func:`stop_checkpoint_process` -- ends DCP's checkpoint process (``process`` mode) with the run;
 - :func:`quiet_checkpoint_process` -- keeps that process off the training process's stderr (a failed
   save is the parent's one line, not the process's traceback before it).
 
 The upload runs in ``torch.distributed.checkpoint.async_save``'s thread or process; what comes after
-it (agreeing on success, renaming the checkpoint in, rotation) is the :class:`Checkpointer`'s.
+it (agreeing on success, renaming the checkpoint in, rotation) is the :class:`Checkpointer`'s, which
+:class:`AsyncSaves` runs on its commit thread.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from portatrain.checkpoint.common import CheckpointError
 from portatrain.checkpoint.verify import flat_tensors
 
 logger = logging.getLogger(__name__)
@@ -154,3 +159,86 @@ def _quiet_checkpointing_subprocess(pg_init_info: Any, parent_conn: Any) -> None
     # No handler would bring in logging's last resort, which prints warnings and errors to stderr.
     logging.getLogger().addHandler(logging.NullHandler())
     executor._AsyncCheckpointProcess._checkpointing_subprocess(pg_init_info, parent_conn)
+
+
+class AsyncSaves:
+    """The background half of ``async_mode=thread|process``, one save in flight at most: the staging
+    copy, DCP's ``async_save`` of it, and the commit after the write on a thread of its own
+    (``checkpoint-commit``), whose collectives run on a gloo group of their own, never the loop's."""
+
+    def __init__(self, mode: str, *, pinned_staging: Callable[[], None] | None) -> None:
+        if mode == "process":
+            problem = spawn_problem()
+            if problem is not None:
+                raise CheckpointError(problem)
+        self.mode = mode
+        self.pinned_staging = pinned_staging
+        self.group: Any = None
+        """The commit's process group (None: the default group of a single process)."""
+        self._stager: Stager | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._in_flight: Future | None = None
+
+    def start(
+        self, tensors: dict[str, Any], tmp: Path, commit: Callable[[BaseException | None, Any], None]
+    ) -> None:
+        """Stage ``tensors`` (the caller waits for this copy only), start DCP's write of the copy into
+        ``tmp``, and call ``commit(write_error, staged)`` in the background once the write is done."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        staged = self._stage(tensors)
+        kind = AsyncCheckpointerType.PROCESS if self.mode == "process" else AsyncCheckpointerType.THREAD
+        upload = dcp.async_save(
+            staged,
+            checkpoint_id=str(tmp),
+            process_group=self.group,
+            async_checkpointer_type=kind,
+            async_stager=AlreadyStaged(),
+        )
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
+        self._in_flight = self._executor.submit(_commit_after, upload, staged, commit)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; raise its error."""
+        future, self._in_flight = self._in_flight, None
+        if future is not None:
+            future.result()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    def close(self) -> None:
+        """Release the commit thread (and DCP's checkpoint process); call after :meth:`wait`."""
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+        if self.mode == "process":
+            stop_checkpoint_process()
+
+    def _stage(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        if self._stager is None:
+            process = self.mode == "process"
+            if process and not dist.is_initialized():
+                # DCP's checkpoint process joins a gloo group of the training ranks: a single process
+                # makes a group of one (its world size stays 1 for everything else).
+                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                # Collective (every rank saves at the same step): the background commit's own group.
+                self.group = dist.new_group(backend="gloo")
+            self._stager = Stager(synchronize=self.pinned_staging, share_memory=process)
+        return self._stager.stage(tensors)
+
+
+def _commit_after(upload: Future, staged: Any, commit: Callable[[BaseException | None, Any], None]) -> None:
+    """Background: wait for DCP's write, then commit as a synchronous save does."""
+    import torch.distributed.checkpoint as dcp
+
+    error: BaseException | None = None
+    try:
+        upload.result()
+    except (Exception, dcp.CheckpointException) as exc:  # the latter is a BaseException
+        error = exc
+    commit(error, staged)
