@@ -34,14 +34,8 @@ from pathlib import Path
 
 import pytest
 
-from portatrain.metrics import (
-    _MLFLOW_HTTP_DEFAULTS,
-    TRACKERS_FILE,
-    MetricsLogger,
-    _Tracker,
-    metrics_problems,
-    mlflow_uri_problem,
-)
+from portatrain.metrics import TRACKERS_FILE, MetricsLogger, metrics_problems, mlflow_uri_problem
+from portatrain.metrics.trackers import _MLFLOW_HTTP_DEFAULTS, _Tracker
 from tests.helpers import ROOT, TINY, compose_config, fit, run_cli, train_records
 
 needs_wandb = pytest.mark.skipif(
@@ -280,7 +274,7 @@ def test_unreachable_tracker_is_one_warning_and_training_goes_on(
     assert time.perf_counter() - start < 60  # not MLflow's ~4 minutes of retries
     assert [r["step"] for r in train_records(tmp_path)] == [1, 2, 3, 4]
     warnings = [r for r in caplog.records if r.name.split(".")[0] in ("portatrain", "mlflow", "urllib3")]
-    assert [r.name for r in warnings] == ["portatrain.metrics"], [r.getMessage() for r in warnings]
+    assert [r.name for r in warnings] == ["portatrain.metrics.trackers"], [r.getMessage() for r in warnings]
     message = warnings[0].getMessage()
     assert message.startswith(f"MLflow at {uri} could not start (ConnectionRefusedError: "), message
     assert message.endswith("training goes on without it")
