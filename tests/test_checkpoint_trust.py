@@ -199,7 +199,7 @@ def test_fault_tolerance_recovery_unpickles_only_plain_values(tmp_path: Path) ->
 def test_parity_command_loads_no_checkpoint(tmp_path: Path) -> None:
     """``portatrain parity`` trains both sides from the same seed with checkpoints off and resume=none,
     whatever the config says: it reads no checkpoint, so there is nothing to refuse."""
-    from portatrain.parity import _derived
+    from portatrain.parity.run import _derived
 
     cfg = compose_config([*TINY, "checkpoint.resume=auto"], run_dir=tmp_path / "run")
     for reference in (True, False):
