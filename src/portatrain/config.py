@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any, get_origin, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -302,6 +302,25 @@ class LaunchConfig:
     multi-node Trainium job, none otherwise; a multi-node GPU job must set it (0: no EFA)."""
 
 
+def _unset_copy(schema: type, name: str) -> type:
+    """A dataclass with ``schema``'s keys, each unset (None; an open mapping empty): the old home of a
+    moved section, where what a recipe or the command line set stands apart from what it did not."""
+    hints = get_type_hints(schema)
+    spec = [
+        (f.name, hints[f.name], field(default_factory=dict))
+        if get_origin(hints[f.name]) is dict
+        else (f.name, hints[f.name] | None, None)
+        for f in fields(schema)
+    ]
+    moved = make_dataclass(name, spec)
+    moved.__module__ = __name__  # a pickled config names its schema classes by module
+    return moved
+
+
+MovedLaunchConfig = _unset_copy(LaunchConfig, "MovedLaunchConfig")
+"""``parallel.launch``: the keys of :class:`LaunchConfig` where they were before they moved to ``launch``."""
+
+
 @dataclass
 class ParallelConfig:
     dp_replicate: int = 1
@@ -341,8 +360,11 @@ class ParallelConfig:
     """Initialize each sharded parameter by drawing the full tensor on every rank and keeping the local
     shard: weights equal the 1-device run's for any layout, at the cost of one transient full
     parameter per rank (4.2 GB fp32 for Llama 70B's embedding). False draws local shards only."""
-    launch: LaunchConfig = field(default_factory=LaunchConfig)
-    """Job shape and scheduler settings (see :class:`LaunchConfig`)."""
+    launch: MovedLaunchConfig | None = field(
+        default_factory=MovedLaunchConfig, metadata={"moved_to": "launch"}
+    )
+    """Deprecated: the old home of the top-level ``launch`` section. ``parallel.launch.X`` is applied as
+    ``launch.X`` with a warning (``portatrain.moved_keys``); it is removed in the next release."""
 
 
 @dataclass
@@ -608,6 +630,8 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """Job shape and scheduler settings (``portatrain render|submit``; see :class:`LaunchConfig`)."""
     compile: CompileConfig = field(default_factory=CompileConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
