@@ -10,7 +10,8 @@
   amount.
 * Training under ``torchrun``: ``ep=2`` on 2 processes (both modes; dropless with compiled blocks and
   full activation checkpointing) and on 4 (``dp_shard=4``) equal to one process on the same global batch; a checkpoint saved at ``ep=2`` holds each expert weight
-  as one ``[n_experts, ...]`` tensor and resumes in one process with the next losses unchanged.
+  as one ``[n_experts, ...]`` tensor and resumes in one process with the next losses unchanged. The
+  runs of one world size share one launch (``tests/launch_runs.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,15 @@ from portatrain.errors import ConfigError
 from portatrain.models import get_spec
 from portatrain.models.common.moe import MoE
 from portatrain.parallel.parallel_dims import ParallelDims, layout_problems
-from tests.helpers import TINY, bf16_tolerance, compose_config, fit, relative_error, torchrun, train_records
+from tests.helpers import (
+    TINY,
+    bf16_tolerance,
+    compose_config,
+    fit,
+    launch_runs,
+    relative_error,
+    train_records,
+)
 from tests.test_command_errors import run
 
 MOE = [*TINY, "model=qwen3_moe_debug"]  # 8 experts, top-2; TINY: 4 steps of 4 rows of 64 tokens
@@ -234,32 +243,43 @@ def _assert_same_steps(got: list[dict], want: list[dict]) -> None:
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), (g, w)
 
 
-def _torchrun(nproc: int, mode: str, run_dir: Path, *extra: str, ep: int = 2) -> None:
+def _overrides(nproc: int, mode: str, *extra: str, ep: int = 2) -> list[str]:
     per_rank = f"data.batch_size={4 // nproc}"  # the one-process run's global batch of 4
-    args = [
-        *MOE,
-        *MODES[mode],
-        f"parallel.dp_shard={nproc}",
-        f"parallel.ep={ep}",
-        per_rank,
-        *extra,
-        f"run_dir={run_dir}",
-    ]
-    out = torchrun(nproc, args, cwd=run_dir.parent)
-    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return [*MOE, *MODES[mode], f"parallel.dp_shard={nproc}", f"parallel.ep={ep}", per_rank, *extra]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The ``ep=2`` runs on 2 processes, in one launch: capacity (saving at step 2), and dropless with
+    compiled blocks (aot_eager: dynamo and autograd tracing without inductor's build time) compiled
+    around the expert-parallel MoE layer and full activation checkpointing, which recomputes the
+    exchange in backward."""
+    compiled = ["compile.enabled=true", "compile.backend=aot_eager", "parallel.activation_checkpointing=full"]
+    runs = {
+        "capacity": _overrides(2, "capacity", "checkpoint.every=2"),
+        "dropless_compiled": _overrides(2, "dropless", "checkpoint.enabled=false", *compiled),
+    }
+    return launch_runs(2, runs, tmp_path_factory.mktemp("ep_two_ranks"))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """``dp_shard=4`` with ``ep=2`` and ``ep=4`` (capacity), in one 4-process launch."""
+    runs = {f"ep{ep}": _overrides(4, "capacity", "checkpoint.enabled=false", ep=ep) for ep in (2, 4)}
+    dirs = launch_runs(4, runs, tmp_path_factory.mktemp("ep_four_ranks"))
+    return {ep: dirs[f"ep{ep}"] for ep in (2, 4)}
 
 
 @pytest.mark.slow
 def test_ep2_capacity_matches_one_process_and_its_checkpoint_resumes_at_ep1(
-    one_process, tmp_path: Path
+    one_process, two_ranks, tmp_path: Path
 ) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
-    _torchrun(2, "capacity", tmp_path / "ep2", "checkpoint.every=2")
     want = one_process["capacity"]
-    _assert_same_steps(train_records(tmp_path / "ep2"), want)
+    _assert_same_steps(train_records(two_ranks["capacity"]), want)
 
-    saved = tmp_path / "ep2" / "checkpoints" / "step_0000002"
+    saved = two_ranks["capacity"] / "checkpoints" / "step_0000002"
     metadata = FileSystemReader(saved).read_metadata().state_dict_metadata
     for layer in (0, 1):  # the sparse blocks: weights and Adam moments whole, not one rank's experts
         for key in (
@@ -274,19 +294,13 @@ def test_ep2_capacity_matches_one_process_and_its_checkpoint_resumes_at_ep1(
 
 
 @pytest.mark.slow
-def test_ep2_dropless_compiled_and_checkpointed_matches_one_process(one_process, tmp_path: Path) -> None:
-    # Compiled blocks (aot_eager: dynamo and autograd tracing without inductor's build time) are
-    # compiled around the expert-parallel MoE layer; full activation checkpointing recomputes the
-    # exchange in backward.
-    compiled = ["compile.enabled=true", "compile.backend=aot_eager", "parallel.activation_checkpointing=full"]
-    _torchrun(2, "dropless", tmp_path / "ep2", "checkpoint.enabled=false", *compiled)
-    _assert_same_steps(train_records(tmp_path / "ep2"), one_process["dropless"])
+def test_ep2_dropless_compiled_and_checkpointed_matches_one_process(one_process, two_ranks) -> None:
+    _assert_same_steps(train_records(two_ranks["dropless_compiled"]), one_process["dropless"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ep", [2, 4])
-def test_ep_over_four_dp_shard_ranks_matches_one_process(one_process, ep: int, tmp_path: Path) -> None:
+def test_ep_over_four_dp_shard_ranks_matches_one_process(one_process, four_ranks, ep: int) -> None:
     # ep=2: dp_shard=4 as (efsdp=2) x (ep=2), each rank's experts also FSDP-sharded over two ranks;
     # ep=4: two of the eight experts on each rank, exchanged among all four.
-    _torchrun(4, "capacity", tmp_path / f"ep{ep}", "checkpoint.enabled=false", ep=ep)
-    _assert_same_steps(train_records(tmp_path / f"ep{ep}"), one_process["capacity"])
+    _assert_same_steps(train_records(four_ranks[ep]), one_process["capacity"])
