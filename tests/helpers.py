@@ -170,22 +170,39 @@ def launch_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def launch_runs(nproc: int, runs: dict[str, list[str]], tmp_path: Path) -> dict[str, Path]:
+def launch_runs(
+    nproc: int,
+    runs: dict[str, list[str]],
+    tmp_path: Path,
+    stop_at: dict[str, int] | None = None,
+    **env: str,
+) -> dict[str, Path]:
     """Train every run of ``runs`` (name -> overrides) in ONE torchrun launch of ``nproc`` processes
-    (``tests/launch_runs.py``: the processes start and join the process group once for all of them);
-    returns each run's directory under ``tmp_path``."""
-    dirs = {name: tmp_path / name for name in runs}
-    spec = [{"run_dir": str(dirs[name]), "overrides": overrides} for name, overrides in runs.items()]
+    (``tests/launch_runs.py``: the processes start and join the process group once for all of them),
+    in order: a run may resume from an earlier one's checkpoint. A run's directory is ``tmp_path/NAME``,
+    or ``tmp_path/DIR`` for an override ``run_dir=DIR`` (two runs may share one: a run, then its
+    resume); ``stop_at``: name -> the step after which that run is asked to stop (it saves and ends);
+    ``env``: extra environment variables. Returns each run's directory; the launch's stderr is
+    ``tmp_path/stderr.txt``."""
+    dirs, spec = {}, []
+    for name, overrides in runs.items():
+        given = [o.partition("=")[2] for o in overrides if o.startswith("run_dir=")]
+        dirs[name] = tmp_path / (given[-1] if given else name)
+        overrides = [o for o in overrides if not o.startswith("run_dir=")]
+        spec.append(
+            {"run_dir": str(dirs[name]), "overrides": overrides, "stop_at": (stop_at or {}).get(name)}
+        )
     (tmp_path / "runs.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     out = subprocess.run(
         [*cmd, str(ROOT / "tests" / "launch_runs.py"), str(tmp_path / "runs.json")],
         cwd=tmp_path,
-        env=launch_env(),
+        env=launch_env(**env),
         capture_output=True,
         text=True,
         timeout=900,
     )
+    (tmp_path / "stderr.txt").write_text(out.stderr)
     assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
     return dirs
 

@@ -2,20 +2,19 @@
 and tensor parallelism, each compared with one CPU process training on the same global batch.
 
 Device tensors travel through the sim's own process-group backend (``cpu:gloo,sim:simccl``), so
-this exercises the PrivateUse1 collective path FSDP2 and DTensor take on TPU and Trainium.
+this exercises the PrivateUse1 collective path FSDP2 and DTensor take on TPU and Trainium. The three
+sim runs (FSDP2, its resume from the step-2 checkpoint, TP) share one two-process launch
+(``tests/launch_runs.py``); the CPU reference trains in this process.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import fit, launch_runs, train_records
+
 pytestmark = pytest.mark.slow
 
 STEPS = 4
@@ -31,41 +30,8 @@ COMMON = [
 GLOBAL_BATCH = 8
 
 
-def _env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), "SIM_DEVICE_COUNT": "2"}
-    env.pop("WORLD_SIZE", None)
-    return env
-
-
-def _run(cmd: list[str], cwd: Path) -> None:
-    out = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
-    assert "terminate called" not in out.stderr
-
-
-def _portatrain(args: list[str], cwd: Path) -> None:
-    _run([sys.executable, "-m", "portatrain", *args], cwd)
-
-
-def _torchrun(nproc: int, args: list[str], cwd: Path) -> None:
-    _run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "-m",
-            "portatrain",
-            *args,
-        ],
-        cwd,
-    )
-
-
 def _records(run_dir: Path) -> list[tuple[int, float, float]]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in train_records(run_dir)]
 
 
 def _assert_close(got: list[tuple[int, float, float]], want: list[tuple[int, float, float]]) -> None:
@@ -78,63 +44,37 @@ def _assert_close(got: list[tuple[int, float, float]], want: list[tuple[int, flo
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, float, float]]:
     run_dir = tmp_path_factory.mktemp("cpu")
-    _portatrain(
-        [
-            "device=cpu",
-            *COMMON,
-            f"data.batch_size={GLOBAL_BATCH}",
-            f"run_dir={run_dir}",
-            "checkpoint.enabled=false",
-        ],
-        run_dir,
-    )
+    fit(["device=cpu", *COMMON, f"data.batch_size={GLOBAL_BATCH}", "checkpoint.enabled=false"], run_dir)
     return _records(run_dir)
 
 
-def test_fsdp2_on_sim_matches_cpu_and_resumes_from_dcp(tmp_path: Path, reference: list) -> None:
-    full = tmp_path / "full"
-    _torchrun(
-        2,
-        [
-            "device=sim",
-            *COMMON,
-            "parallel.dp_shard=2",
-            f"data.batch_size={GLOBAL_BATCH // 2}",
-            "checkpoint.every=2",
-            f"run_dir={full}",
-        ],
-        tmp_path,
-    )
-    _assert_close(_records(full), reference)
-    halfway = full / "checkpoints" / "step_0000002"
-    assert halfway.is_dir()
-    resumed = tmp_path / "resumed"
-    _torchrun(
-        2,
-        [
-            "device=sim",
-            *COMMON,
-            "parallel.dp_shard=2",
-            f"data.batch_size={GLOBAL_BATCH // 2}",
-            f"checkpoint.resume={halfway}",
-            f"run_dir={resumed}",
-        ],
-        tmp_path,
-    )
-    _assert_close(_records(resumed), reference[2:])
-
-
-def test_tensor_parallel_on_sim_matches_cpu(tmp_path: Path, reference: list) -> None:
-    _torchrun(
-        2,
-        [
+@pytest.fixture(scope="module")
+def sim_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """FSDP2 saving at step 2, FSDP2 resumed from that checkpoint, and TP: one launch, in that order."""
+    tmp_path = tmp_path_factory.mktemp("sim")
+    fsdp2 = ["device=sim", *COMMON, "parallel.dp_shard=2", f"data.batch_size={GLOBAL_BATCH // 2}"]
+    halfway = tmp_path / "full" / "checkpoints" / "step_0000002"
+    runs = {
+        "full": [*fsdp2, "checkpoint.every=2"],
+        "resumed": [*fsdp2, f"checkpoint.resume={halfway}"],
+        "tp": [
             "device=sim",
             *COMMON,
             "parallel.tp=2",
             f"data.batch_size={GLOBAL_BATCH}",
-            f"run_dir={tmp_path / 'run'}",
             "checkpoint.enabled=false",
         ],
-        tmp_path,
-    )
-    _assert_close(_records(tmp_path / "run"), reference)
+    }
+    dirs = launch_runs(2, runs, tmp_path, SIM_DEVICE_COUNT="2")
+    assert "terminate called" not in (tmp_path / "stderr.txt").read_text()
+    return dirs
+
+
+def test_fsdp2_on_sim_matches_cpu_and_resumes_from_dcp(sim_runs: dict[str, Path], reference: list) -> None:
+    _assert_close(_records(sim_runs["full"]), reference)
+    assert (sim_runs["full"] / "checkpoints" / "step_0000002").is_dir()
+    _assert_close(_records(sim_runs["resumed"]), reference[2:])
+
+
+def test_tensor_parallel_on_sim_matches_cpu(sim_runs: dict[str, Path], reference: list) -> None:
+    _assert_close(_records(sim_runs["tp"]), reference)
