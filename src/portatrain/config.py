@@ -148,8 +148,38 @@ class DataConfig:
 
 
 @dataclass
+class MuonConfig:
+    """``optim.name=muon``: Muon on the blocks' matrices, AdamW (``optim.lr``, ``betas``, ``eps``,
+    ``weight_decay``) on the rest; the values follow ``torch.optim.Muon`` (see ``portatrain.optim.muon``)."""
+
+    lr: float | None = None
+    """Peak LR of the Muon matrices; default ``optim.lr`` (with ``adjust_lr=match_rms_adamw`` the
+    update's RMS is AdamW's, so AdamW's LR carries over: Moonlight, https://arxiv.org/abs/2502.16982)."""
+    weight_decay: float | None = None
+    """Decoupled weight decay of the Muon matrices; default ``optim.weight_decay``."""
+    momentum: float = 0.95
+    """Momentum of the gradient average that is orthogonalized, in [0, 1)."""
+    nesterov: bool = True
+    """Orthogonalize Nesterov's look-ahead ``g + momentum * (buffer - g)`` instead of the buffer."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations, 1 to 99."""
+    ns_coefficients: list[float] = field(default_factory=lambda: [3.4445, -4.7750, 2.0315])
+    """The quintic's ``(a, b, c)``: Keller Jordan's, https://kellerjordan.github.io/posts/muon/."""
+    ns_eps: float = 1e-7
+    """Floor of the norm the update is divided by before Newton-Schulz."""
+    ns_dtype: str = "bfloat16"
+    """Precision of Newton-Schulz (and of the gather of sharded matrices): ``bfloat16`` as
+    ``torch.optim.Muon`` (fast on GPUs), or ``float32`` (on a CPU without bf16 matmul units about 6x
+    faster; layouts then agree with one process to fp32's rounding, not bf16's)."""
+    adjust_lr: str = "match_rms_adamw"
+    """LR scale per matrix of ``rows x cols``: ``match_rms_adamw`` (``0.2 * sqrt(max(rows, cols))``)
+    or ``original`` (``sqrt(max(1, rows / cols))``, for a Muon-tuned ``lr`` such as 0.02)."""
+
+
+@dataclass
 class OptimConfig:
     name: str = "adamw"
+    """``adamw``, or ``muon`` (AdamW on embeddings, head, norms, biases and routers; see ``muon``)."""
     lr: float = 3e-3
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
@@ -164,6 +194,8 @@ class OptimConfig:
     """Max global gradient norm; 0 disables clipping."""
     fused: bool | None = None
     """Use the fused AdamW kernel; default: the accelerator adapter decides."""
+    muon: MuonConfig = field(default_factory=MuonConfig)
+    """Muon's settings (used when ``name=muon``)."""
 
 
 @dataclass

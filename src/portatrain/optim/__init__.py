@@ -2,7 +2,9 @@
 decay learning-rate schedule.
 
 - :func:`optim_problems` -- the ``optim`` group's problems (``portatrain.validate`` asks for them);
-- :func:`param_groups` / :func:`build_optimizer` -- AdamW, weight decay on matrices only;
+- :func:`param_groups` / :func:`build_optimizer` -- AdamW, weight decay on matrices only; or
+  ``optim.name=muon``: Muon on the blocks' matrices and AdamW on the rest, one optimizer
+  (``portatrain.optim.muon``);
 - :func:`lr_lambda` / :func:`build_lr_scheduler` -- linear warm-up, then cosine/linear/constant decay
   to ``min_lr_ratio * lr``.
 """
@@ -15,9 +17,11 @@ import torch
 from torch import nn
 
 from portatrain.config import OptimConfig
+from portatrain.dtypes import dtype_problem
 from portatrain.errors import ConfigError
+from portatrain.optim.muon import ADJUST_LR, Muon, split_params
 
-OPTIMIZERS = ("adamw",)
+OPTIMIZERS = ("adamw", "muon")
 """Allowed values of ``optim.name``."""
 DECAYS = ("cosine", "linear", "constant")
 """Allowed values of ``optim.decay``: the LR's shape after warm-up."""
@@ -28,8 +32,10 @@ def optim_problems(cfg: OptimConfig) -> list[str]:
     problems = []
     if cfg.name not in OPTIMIZERS:
         problems.append(
-            f"optim.name={cfg.name!r} is unknown; the available optimizer is {', '.join(OPTIMIZERS)}"
+            f"optim.name={cfg.name!r} is unknown; the available optimizers are {', '.join(OPTIMIZERS)}"
         )
+    if cfg.name == "muon":
+        problems += _muon_problems(cfg.muon)
     if cfg.decay not in DECAYS:
         problems.append(f"optim.decay={cfg.decay!r} is not one of {', '.join(DECAYS)}")
     if cfg.warmup_steps < 0 or cfg.lr <= 0:
@@ -41,10 +47,38 @@ def optim_problems(cfg: OptimConfig) -> list[str]:
     return problems
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices and embeddings; leave 1-D parameters (norm scales, biases) undecayed."""
+def _muon_problems(muon) -> list[str]:  # noqa: ANN001 (MuonConfig, or its DictConfig)
+    problems = []
+    if not 0.0 <= muon.momentum < 1.0:
+        problems.append(f"optim.muon.momentum={muon.momentum} must be in [0, 1), e.g. 0.95")
+    if not 1 <= muon.ns_steps <= 99:
+        problems.append(f"optim.muon.ns_steps={muon.ns_steps} must be in [1, 99] (5 is Muon's default)")
+    if len(muon.ns_coefficients) != 3:
+        problems.append(
+            f"optim.muon.ns_coefficients={list(muon.ns_coefficients)} must have three values (a, b, c), "
+            "e.g. [3.4445, -4.775, 2.0315]"
+        )
+    if muon.ns_eps <= 0:
+        problems.append(f"optim.muon.ns_eps={muon.ns_eps} must be > 0, e.g. 1e-7")
+    problems += dtype_problem("optim.muon.ns_dtype", muon.ns_dtype)
+    if muon.adjust_lr not in ADJUST_LR:
+        problems.append(f"optim.muon.adjust_lr={muon.adjust_lr!r} is not one of {', '.join(ADJUST_LR)}")
+    if muon.lr is not None and muon.lr <= 0:
+        problems.append(f"optim.muon.lr={muon.lr} must be > 0, or null for optim.lr")
+    if muon.weight_decay is not None and muon.weight_decay < 0:
+        problems.append(
+            f"optim.muon.weight_decay={muon.weight_decay} must be >= 0, or null for optim.weight_decay"
+        )
+    return problems
+
+
+def param_groups(
+    model: nn.Module, weight_decay: float, params: list[nn.Parameter] | None = None
+) -> list[dict]:
+    """Decay matrices and embeddings; leave 1-D parameters (norm scales, biases) undecayed. ``params``:
+    a subset of ``model``'s (default: every trainable one)."""
     decay, no_decay = [], []
-    for p in model.parameters():
+    for p in model.parameters() if params is None else params:
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -55,12 +89,38 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, *, fused: bool = False) 
     problems = optim_problems(cfg)
     if problems:
         raise ConfigError("invalid optim config:\n  - " + "\n  - ".join(problems))
+    fused = cfg.fused if cfg.fused is not None else fused
+    if cfg.name == "muon":
+        muon = cfg.muon
+        hidden, rest = split_params(model)
+        matrices = {
+            "params": hidden,
+            "algorithm": "muon",
+            "lr": cfg.lr if muon.lr is None else muon.lr,
+            "weight_decay": cfg.weight_decay if muon.weight_decay is None else muon.weight_decay,
+        }
+        # Three groups always (one may be empty, e.g. a pipeline stage without the embedding): every
+        # rank's optimizer then has the same groups, as the checkpoint expects.
+        return Muon(
+            [matrices, *({**g, "algorithm": "adamw"} for g in param_groups(model, cfg.weight_decay, rest))],
+            lr=cfg.lr,
+            momentum=muon.momentum,
+            nesterov=muon.nesterov,
+            ns_coefficients=tuple(muon.ns_coefficients),
+            ns_steps=muon.ns_steps,
+            ns_eps=muon.ns_eps,
+            ns_dtype=muon.ns_dtype,
+            adjust_lr=muon.adjust_lr,
+            betas=tuple(cfg.betas),
+            eps=cfg.eps,
+            fused=fused,
+        )
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),
         lr=cfg.lr,
         betas=tuple(cfg.betas),
         eps=cfg.eps,
-        fused=cfg.fused if cfg.fused is not None else fused,
+        fused=fused,
     )
 
 

@@ -1,0 +1,271 @@
+"""Muon (``optim.name=muon``): orthogonalized momentum on the hidden matrices, AdamW on the rest, in
+one optimizer object.
+
+- :func:`split_params` -- the hidden matrices (2-D and stacked-expert 3-D weights inside the blocks,
+  ``model.layers``, routers excepted) and everything else (embeddings, the output head, norms,
+  biases, routers);
+- :class:`Muon` -- a ``torch.optim.Optimizer`` with two kinds of parameter groups
+  (``algorithm="muon"`` / ``"adamw"``): one ``state_dict``, so the checkpointer saves and reshards it
+  through DCP's ``get_optimizer_state_dict`` like any optimizer;
+- :func:`orthogonalize` -- Newton-Schulz on the last two dimensions (one matrix, or one per expert),
+  gathering a DTensor's matrix dimensions first where they are sharded.
+
+The algorithm is ``torch.optim.Muon``'s (``torch/optim/_muon.py`` in PyTorch 2.13): momentum by
+``lerp``, Nesterov's look-ahead, five quintic Newton-Schulz steps in bf16 with Keller Jordan's
+coefficients (https://kellerjordan.github.io/posts/muon/), decoupled weight decay by the unadjusted
+LR, and its LR adjustments: ``original`` (``sqrt(max(1, rows / cols))``, Keller Jordan's) and
+``match_rms_adamw`` (``0.2 * sqrt(max(rows, cols))``: the update's RMS matches AdamW's, so AdamW's LR
+and weight decay carry over -- Moonlight, "Muon is Scalable for LLM Training",
+https://arxiv.org/abs/2502.16982, section 2.2). A one-process step with the same split is
+``torch.optim.Muon`` plus ``torch.optim.AdamW`` to the bit (``tests/test_muon.py``).
+
+**Distributed.** Newton-Schulz needs the whole matrix. A DTensor whose placements shard a matrix
+dimension (FSDP2's ``Shard(0)``, TP's ``Shard(0)`` or ``Shard(1)``, FSDP2's ``Shard(1)`` of experts
+split finer than experts) is gathered over those mesh dimensions only, in bf16 (the precision
+Newton-Schulz runs in: half the bytes of fp32, the same result), orthogonalized whole on every rank,
+and each rank keeps its own slice (a local slice, no communication). Shards of a leading dimension
+(expert parallel's and FSDP2's ``Shard(0)`` of ``[experts, out, in]``) hold whole matrices and are
+orthogonalized where they are. Pipeline stages each hold their own parameters: nothing to do.
+``scripts/bench_muon.py`` measures the step and the bytes gathered against the analytic amount.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.adam import adam
+
+from portatrain.dtypes import dtype_from_name
+from portatrain.models.common.moe import Router
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+"""Keller Jordan's quintic coefficients (``torch.optim.Muon``'s default): the steepest slope at zero
+that still maps singular values into about [0.7, 1.2] after five steps."""
+ADJUST_LR = ("original", "match_rms_adamw")
+"""Allowed values of ``optim.muon.adjust_lr`` (``torch.optim.Muon``'s ``adjust_lr_fn``)."""
+
+
+def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """``(hidden matrices, the rest)`` of ``model``'s trainable parameters.
+
+    Hidden: the 2-D and 3-D (stacked experts) weights of the blocks, ``model.layers``. The rest -- the
+    embedding, the output head, norms, biases and the routers (a router's rows are one vector per
+    expert, not a linear map between hidden states) -- go to AdamW, as Keller Jordan's post and
+    Moonlight prescribe. A model without ``layers`` has no hidden matrices (all AdamW)."""
+    blocks = getattr(model, "layers", None)
+    hidden: dict[int, nn.Parameter] = {}
+    if isinstance(blocks, nn.Module):
+        routers = {id(p) for m in blocks.modules() if isinstance(m, Router) for p in m.parameters()}
+        for p in blocks.parameters():
+            if p.requires_grad and p.ndim in (2, 3) and id(p) not in routers:
+                hidden[id(p)] = p
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in hidden]
+    return list(hidden.values()), rest
+
+
+def _newton_schulz(
+    update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """``torch.optim._muon._zeropower_via_newtonschulz`` on the last two dimensions (batched over a
+    leading experts dimension with ``baddbmm``), in ``dtype`` (torch's: bf16); a 2-D input runs its
+    exact ops (``addmm``)."""
+    a, b, c = coefficients
+    x = update.to(dtype)
+    tall = update.size(-2) > update.size(-1)
+    if tall:  # iterate on the smaller Gram matrix
+        x = x.mT
+    if x.ndim == 2:
+        x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
+        for _ in range(steps):
+            gram = x @ x.T
+            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.addmm(x, poly, x, beta=a)
+    else:
+        x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)
+        for _ in range(steps):
+            gram = x @ x.mT
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.baddbmm(x, poly, x, beta=a)
+    return x.mT if tall else x
+
+
+def orthogonalize(
+    update: torch.Tensor,
+    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    steps: int = 5,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    on_gather: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """Newton-Schulz of each matrix of ``update`` (its last two dimensions), in ``dtype``; a DTensor comes
+    back a DTensor of the same layout (see the module docstring). ``on_gather(bytes)`` is told what
+    each gather receives on this rank (the benchmark counts it)."""
+    if not hasattr(update, "to_local"):
+        return _newton_schulz(update, coefficients, steps, eps, dtype)
+    from torch.distributed.tensor import DTensor, Replicate
+
+    matrix_dims = (update.ndim - 2, update.ndim - 1)
+    placements = tuple(update.placements)
+    # Shard and _StridedShard (FSDP2's placement over a TP shard of the same dimension; not a Shard
+    # subclass) both name the dimension they split.
+    whole = tuple(Replicate() if getattr(p, "dim", None) in matrix_dims else p for p in placements)
+    if whole == placements:  # every local matrix is whole (expert shards, or no sharding)
+        local = _newton_schulz(update.to_local(), coefficients, steps, eps, dtype)
+        return DTensor.from_local(
+            local, update.device_mesh, placements, run_check=False, shape=update.shape, stride=update.stride()
+        )
+    # Gather in Newton-Schulz's dtype: it casts to it first anyway, so the result is the same (bf16:
+    # half fp32's bytes).
+    gathered = update.to(dtype).redistribute(update.device_mesh, whole)
+    if on_gather is not None:
+        local = gathered.to_local()
+        on_gather((local.numel() - update.to_local().numel()) * local.element_size())
+    result = _newton_schulz(gathered.to_local(), coefficients, steps, eps, dtype)
+    # Replicate -> Shard is a local slice: no communication.
+    return DTensor.from_local(result, update.device_mesh, whole, run_check=False).redistribute(
+        update.device_mesh, placements
+    )
+
+
+def adjusted_lr(lr: float, adjust_lr: str, shape: torch.Size) -> float:
+    """``torch.optim._muon._adjust_lr`` on one matrix's ``(rows, cols)`` (the last two dimensions)."""
+    rows, cols = shape[-2:]
+    if adjust_lr == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr * math.sqrt(max(1, rows / cols))
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon on the groups with ``algorithm="muon"``, AdamW (decoupled weight decay) on those with
+    ``algorithm="adamw"``. Each group takes its algorithm's keyword defaults below for what it does
+    not set; state is ``momentum_buffer`` (Muon) or ``step``/``exp_avg``/``exp_avg_sq`` (AdamW, as
+    ``torch.optim.AdamW`` keeps it)."""
+
+    def __init__(
+        self,
+        params: Iterable[dict[str, Any]],
+        *,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        ns_steps: int = 5,
+        ns_eps: float = 1e-7,
+        ns_dtype: str = "bfloat16",
+        adjust_lr: str = "original",
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        fused: bool | None = None,
+        foreach: bool | None = None,
+    ) -> None:
+        self._algorithm_defaults = {
+            "muon": {
+                "momentum": momentum,
+                "nesterov": nesterov,
+                "ns_coefficients": tuple(ns_coefficients),
+                "ns_steps": ns_steps,
+                "ns_eps": ns_eps,
+                "ns_dtype": ns_dtype,
+                "adjust_lr": adjust_lr,
+            },
+            "adamw": {"betas": tuple(betas), "eps": eps, "fused": fused, "foreach": foreach},
+        }
+        super().__init__(list(params), {"lr": lr, "weight_decay": weight_decay})
+        self.on_gather: Callable[[int], None] | None = None
+        """Told the bytes each gather of a sharded matrix receives on this rank (``scripts/bench_muon.py``)."""
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        algorithm = param_group.get("algorithm")
+        if algorithm not in self._algorithm_defaults:
+            raise ValueError(f"a Muon parameter group needs algorithm='muon' or 'adamw', got {algorithm!r}")
+        for key, value in self._algorithm_defaults[algorithm].items():
+            param_group.setdefault(key, value)
+        if algorithm == "muon":
+            for p in param_group["params"]:
+                if p.ndim not in (2, 3):
+                    raise ValueError(
+                        f"Muon takes matrices or stacked matrices; got a {tuple(p.shape)} parameter"
+                    )
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["algorithm"] == "muon":
+                self._muon_step(group)
+            else:
+                self._adamw_step(group)
+        return loss
+
+    def _muon_step(self, group: dict[str, Any]) -> None:
+        lr, weight_decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad, state = p.grad, self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(grad, 1 - momentum)
+            update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+            update = orthogonalize(
+                update,
+                tuple(group["ns_coefficients"]),
+                group["ns_steps"],
+                group["ns_eps"],
+                dtype_from_name(group["ns_dtype"]),  # a name: param groups are saved as JSON
+                on_gather=self.on_gather,
+            )
+            p.mul_(1 - lr * weight_decay)
+            p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape))
+
+    def _adamw_step(self, group: dict[str, Any]) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:  # as torch.optim.AdamW's _init_group: the step count on the host unless fused
+                state["step"] = (
+                    torch.zeros((), dtype=torch.float32, device=p.device)
+                    if group["fused"]
+                    else torch.tensor(0.0, dtype=torch.float32)
+                )
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        adam(  # torch.optim.AdamW's own functional step (decoupled weight decay)
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=group["foreach"],
+            fused=group["fused"],
+            decoupled_weight_decay=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
