@@ -20,13 +20,16 @@ from portatrain.config import ModelConfig
 from portatrain.errors import ConfigError
 from portatrain.models.common.moe import DISPATCH_MODES
 from portatrain.models.deepseek_v3 import DEEPSEEK_V3
+from portatrain.models.gemma3 import GEMMA3
 from portatrain.models.llama import LLAMA3
 from portatrain.models.olmo2 import OLMO2
 from portatrain.models.qwen3 import QWEN3
 from portatrain.models.qwen3_moe import QWEN3_MOE
 from portatrain.models.spec import ModelSpec
 
-SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA3, QWEN3, OLMO2, QWEN3_MOE, DEEPSEEK_V3)}
+SPECS: dict[str, ModelSpec] = {
+    spec.name: spec for spec in (LLAMA3, QWEN3, OLMO2, QWEN3_MOE, DEEPSEEK_V3, GEMMA3)
+}
 """Model family name (``model.name``) -> its spec. One entry per family."""
 
 ARCH_OVERRIDES: tuple[str, ...] = (

@@ -59,6 +59,12 @@ the q and k projection outputs, ``q + kv`` elements -- and their fp32 inverse RM
 (buffer) tables. Checkpointing recomputes them (pointwise work), so with ``full`` or ``selective``
 the extra lives only in the one block being recomputed.
 
+A norm before and after each sub-layer (Gemma 3, ``norm_placement="both"``) keeps two more rows of
+``h`` (the sub-layers' outputs, read by the post-norms) and two more norm statistics. A sliding-window
+layer whose rows are longer than its window attends with a mask, so its k/v are saved repeated
+(``2q``). Attention sinks (GPT-OSS) give SDPA a float mask that needs a gradient, which no fused
+kernel takes: per token and layer, the mask's and the softmax's ``a * (S + 1)`` values each.
+
 Compare Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
 ``s*b*h*(34 + 5*a*s/h)`` bytes per layer for GPT in fp16 with dropout: that count's MLP has
 ``f = 4h`` and no gate, and its ``5*a*s/h`` term is the materialized softmax and dropout that fused
@@ -222,16 +228,38 @@ def estimate_memory(
     h, a = args.dim, args.n_heads
     q = args.n_heads * args.head_dim
     kv = args.n_kv_heads * args.head_dim
-    saved_kv = 2 * q if attn_mask else 2 * kv  # k, v as SDPA saves them
-    # The table without the MLP + fp32 log-sum-exps and norm statistics; then each block's MLP.
-    attention = (4 * h + 2 * q + saved_kv) * act_bytes + (a + 2) * 4 + qk_norm_bytes(args, act_bytes)
+    # A norm before and after each sub-layer (Gemma) keeps two more residual-width rows (the
+    # sub-layers' outputs, the post-norms' inputs) and two more norm statistics.
+    both = getattr(args, "norm_placement", "pre") == "both"
+    residual, norm_stats = (6 * h, 4) if both else (4 * h, 2)
+    sinks = getattr(args, "attention_sinks", False)
+    window = getattr(args, "sliding_window", None)
+
+    def attention_bytes(layer: int) -> int:
+        """The table without the MLP + fp32 log-sum-exps and norm statistics. A mask (packing, a
+        sliding window shorter than the row, attention sinks) makes SDPA read repeated k/v heads."""
+        sliding = window is not None and args.is_sliding(layer) and seq_len > window
+        saved_kv = 2 * q if attn_mask or sliding or sinks else 2 * kv  # k, v as SDPA saves them
+        saved = (
+            (residual + 2 * q + saved_kv) * act_bytes + (a + norm_stats) * 4 + qk_norm_bytes(args, act_bytes)
+        )
+        if sinks:
+            # SDPA cannot fuse a float mask that needs a gradient: its math path keeps the softmax
+            # over S + 1 keys per head, and the mask itself (per row too with a packing mask).
+            saved += a * (seq_len + 1) * act_bytes
+            saved += _ceil_div(a * (seq_len + 1) * act_bytes, 1 if attn_mask else batch_size)
+        return saved
+
+    attention = [attention_bytes(layer) for layer in range(args.n_layers)]
     attn_matmuls = q + h + 2 * kv  # q, o, k, v projections' outputs (selective checkpointing)
     if hasattr(args, "kv_lora_rank"):  # latent attention
         elements, fp32, attn_matmuls = latent_attention_saved(args)
-        attention = (4 * h + elements) * act_bytes + fp32 * 4
+        attention = [(4 * h + elements) * act_bytes + fp32 * 4] * args.n_layers
         q = args.n_heads * args.v_head_dim  # the attention output kept by selective checkpointing
     mlps = [mlp_saved(args, layer, capacity_factor) for layer in range(args.n_layers)]
-    per_layer = [attention + saved * act_bytes + fp32 * 4 for saved, fp32, _ in mlps]
+    per_layer = [
+        att + saved * act_bytes + fp32 * 4 for att, (saved, fp32, _) in zip(attention, mlps, strict=True)
+    ]
     # Per token: what the blocks keep until backward, and what one block's recomputation holds
     # meanwhile (checkpointing only; it happens after the output head's buffers are freed).
     recompute = max(per_layer)
@@ -287,7 +315,11 @@ def mlp_saved(
         return 4 * args.ffn_dim, 0, 2 * args.ffn_dim + args.dim
     h, i, k = args.dim, args.moe_ffn_dim, args.top_k
     slots = k if capacity_factor is None else capacity_factor * k
-    elements = slots * (2 * h + 4 * i)
+    # Another gate keeps more (GPT-OSS's clamped one with biases: ``expert_saved_widths`` 9 and a
+    # gathered output bias of width h per assignment).
+    gate = getattr(args, "expert_saved_widths", 4)
+    bias = h if getattr(args, "expert_bias", False) else 0
+    elements = slots * (2 * h + gate * i + bias)
     # Shared experts: one dense SwiGLU ``n_shared * i`` wide, and its output summed in.
     shared = getattr(args, "n_shared_experts", 0) * i
     elements += 4 * shared + (h if shared else 0)

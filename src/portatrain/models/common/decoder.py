@@ -5,8 +5,8 @@
   ``max_seq_len``, ``tie_embeddings``; the family adds ``head_dim`` and ``ffn_dim``), the two architectural switches (:attr:`~DecoderArgs.qk_norm`,
   :attr:`~DecoderArgs.norm_placement`), every shape problem, the analytic parameter count and the
   FLOPs-per-token convention.
-* :class:`TransformerBlock` -- one decoder layer, its norms placed before (Llama, Qwen 3) or after
-  (OLMo 2) each sub-layer, inside the residual branch.
+* :class:`TransformerBlock` -- one decoder layer, its norms placed before (Llama, Qwen 3), after
+  (OLMo 2) or before and after (Gemma 3) each sub-layer, inside the residual branch.
 * :class:`Decoder` -- the whole model; a family's model class is a subclass that changes nothing but
   its name (or overrides :meth:`Decoder.build_block` for a block of its own).
 
@@ -35,12 +35,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from portatrain.models.common.layers import Attention, FeedForward, QKNorm, RMSNorm, trunc_normal_
+from portatrain.models.common.layers import Activation, Attention, FeedForward, QKNorm, RMSNorm, trunc_normal_
+from portatrain.models.common.masks import sliding_window_mask
 from portatrain.models.common.rope import RopeScaling, rope_tables
 
-NormPlacement = Literal["pre", "post"]
+NormPlacement = Literal["pre", "post", "both"]
 """``pre``: ``h = x + f(norm(x))`` (Llama, Qwen 3); ``post``: ``h = x + norm(f(x))``, the norm inside
-the residual branch after each sub-layer (OLMo 2, https://arxiv.org/abs/2501.00656, section 3.2)."""
+the residual branch after each sub-layer (OLMo 2, https://arxiv.org/abs/2501.00656, section 3.2);
+``both``: ``h = x + norm2(f(norm1(x)))``, a norm before and one after each sub-layer (Gemma 2 and 3,
+https://arxiv.org/abs/2408.00118, section 2)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,22 @@ class DecoderArgs:
     """Where each block's norms sit; see :data:`NormPlacement`."""
     rope_scaling: ClassVar[RopeScaling | None] = None
     """RoPE frequency scaling; a family that supports it declares it as a field (Llama)."""
+    activation: ClassVar[Activation] = "silu"
+    """The feed-forward's gate; see ``portatrain.models.common.layers.Activation``."""
+    norm_unit_offset: ClassVar[bool] = False
+    """Every norm's gain is stored as its offset from 1 (Gemma's ``1 + weight``)."""
+    scale_embeddings: ClassVar[bool] = False
+    """Multiply the embeddings by ``sqrt(dim)`` (Gemma), rounded to their dtype as Gemma's reference does."""
+    attention_bias: ClassVar[bool] = False
+    """The q/k/v/o projections have biases (GPT-OSS)."""
+    attention_sinks: ClassVar[bool] = False
+    """Each attention head has a learned sink logit (GPT-OSS; ``portatrain.models.common.masks``)."""
+    sliding_window: ClassVar[int | None] = None
+    """Keys a sliding layer's query sees (itself included); a family with sliding layers declares it as
+    a field and says which layers slide in :meth:`is_sliding`."""
+    rope_local_theta: ClassVar[float | None] = None
+    """RoPE base of the sliding layers, when it differs from ``rope_theta`` (Gemma 3: 10,000 locally,
+    1,000,000 globally); those layers' RoPE is never scaled. A family declares it as a field."""
     positive_fields: ClassVar[tuple[str, ...]] = (
         "dim",
         "n_layers",
@@ -150,6 +169,15 @@ class DecoderArgs:
         """Whether block ``layer`` holds a mixture of experts (none in a dense family)."""
         return False
 
+    def is_sliding(self, layer: int) -> bool:
+        """Whether block ``layer`` attends within :attr:`sliding_window` only (none by default)."""
+        return False
+
+    @property
+    def softmax_scale(self) -> float | None:
+        """Attention's softmax scale; None: SDPA's ``1/sqrt(head_dim)``."""
+        return None
+
     @property
     def q_dim(self) -> int:
         """Width of all query heads together, ``n_heads * head_dim`` (may differ from ``dim``)."""
@@ -167,9 +195,14 @@ class DecoderArgs:
 
     @property
     def attention_params(self) -> int:
-        """Parameters of one block's attention and its two residual norms (everything but the MLP)."""
+        """Parameters of one block's attention and its residual norms (everything but the MLP)."""
         attn = 2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim  # q, o and k, v projections
-        return attn + 2 * self.dim + self.qk_norm_params  # + the block's two RMSNorm gains
+        if self.attention_bias:
+            attn += self.q_dim + 2 * self.kv_dim + self.dim
+        if self.attention_sinks:
+            attn += self.n_heads
+        norms = (4 if self.norm_placement == "both" else 2) * self.dim  # the block's RMSNorm gains
+        return attn + norms + self.qk_norm_params
 
     def mlp_params(self, layer: int, *, active: bool = False) -> int:
         """Parameters of block ``layer``'s feed-forward (``active``: those one token uses)."""
@@ -236,7 +269,9 @@ class TransformerBlock(nn.Module):
 
     ``norm_placement="pre"``: ``h = x + attn(input_layernorm(x))``, ``h + mlp(post_attention_layernorm(h))``.
     ``norm_placement="post"``: ``h = x + post_attention_layernorm(attn(x))``,
-    ``h + post_feedforward_layernorm(mlp(h))`` (HF's names for both).
+    ``h + post_feedforward_layernorm(mlp(h))``.
+    ``norm_placement="both"``: ``h = x + post_attention_layernorm(attn(input_layernorm(x)))``,
+    ``h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))`` (HF's names for all three).
 
     A standalone module so parallelization can wrap each block on its own (activation
     checkpointing, ``torch.compile``, ``fully_shard``).
@@ -246,11 +281,15 @@ class TransformerBlock(nn.Module):
         self, args: DecoderArgs, mlp: nn.Module | None = None, attn: nn.Module | None = None
     ) -> None:
         super().__init__()
-        if args.norm_placement not in ("pre", "post"):
-            raise ValueError(f"norm_placement={args.norm_placement!r} is not one of pre, post")
+        if args.norm_placement not in ("pre", "post", "both"):
+            raise ValueError(f"norm_placement={args.norm_placement!r} is not one of pre, post, both")
         self.norm_placement = args.norm_placement
-        if args.norm_placement == "pre":
-            self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+
+        def norm() -> RMSNorm:
+            return RMSNorm(args.dim, args.norm_eps, unit_offset=args.norm_unit_offset)
+
+        if args.norm_placement != "post":
+            self.input_layernorm = norm()
         # A family's own attention (latent attention) or the shared grouped-query one.
         if attn is None:
             attn = Attention(
@@ -260,13 +299,19 @@ class TransformerBlock(nn.Module):
                 args.head_dim,
                 norm_eps=args.norm_eps,
                 qk_norm=args.qk_norm,
+                softmax_scale=args.softmax_scale,
+                bias=args.attention_bias,
+                sinks=args.attention_sinks,
+                norm_unit_offset=args.norm_unit_offset,
             )
         self.self_attn = attn
-        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
-        # A family's own feed-forward (a mixture of experts) or the shared SwiGLU.
-        self.mlp = FeedForward(args.dim, args.ffn_dim) if mlp is None else mlp
-        if args.norm_placement == "post":
-            self.post_feedforward_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.post_attention_layernorm = norm()
+        if args.norm_placement == "both":
+            self.pre_feedforward_layernorm = norm()
+        # A family's own feed-forward (a mixture of experts) or the shared gated one.
+        self.mlp = FeedForward(args.dim, args.ffn_dim, args.activation) if mlp is None else mlp
+        if args.norm_placement != "pre":
+            self.post_feedforward_layernorm = norm()
 
     def init_weights(self, std: float, out_std: float) -> None:
         for norm in self.norms():
@@ -275,10 +320,17 @@ class TransformerBlock(nn.Module):
         self.mlp.init_weights(std, out_std)
 
     def norms(self) -> list[RMSNorm]:
-        """The block's two residual-stream norms, in order (attention's, then the feed-forward's)."""
+        """The block's residual-stream norms, in order (attention's, then the feed-forward's)."""
         if self.norm_placement == "pre":
             return [self.input_layernorm, self.post_attention_layernorm]
-        return [self.post_attention_layernorm, self.post_feedforward_layernorm]
+        if self.norm_placement == "post":
+            return [self.post_attention_layernorm, self.post_feedforward_layernorm]
+        return [
+            self.input_layernorm,
+            self.post_attention_layernorm,
+            self.pre_feedforward_layernorm,
+            self.post_feedforward_layernorm,
+        ]
 
     def forward(
         self,
@@ -290,8 +342,11 @@ class TransformerBlock(nn.Module):
         if self.norm_placement == "pre":
             h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask)
             return h + self.mlp(self.post_attention_layernorm(h))
-        h = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, attn_mask))
-        return h + self.post_feedforward_layernorm(self.mlp(h))
+        if self.norm_placement == "post":
+            h = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, attn_mask))
+            return h + self.post_feedforward_layernorm(self.mlp(h))
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, attn_mask))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
 class Decoder(nn.Module):
@@ -319,13 +374,17 @@ class Decoder(nn.Module):
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): self.build_block(args, i) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps, unit_offset=args.norm_unit_offset)
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         # Derived from args, so kept out of checkpoints (non-persistent) and rebuilt by init_weights
         # after to_empty(). fp32 even in bf16 runs; the rope op casts at use.
         cos, sin = self._rope_tables()
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        if args.rope_local_theta is not None:  # the sliding layers' own base (Gemma 3)
+            cos, sin = self._local_rope_tables()
+            self.register_buffer("rope_local_cos", cos, persistent=False)
+            self.register_buffer("rope_local_sin", sin, persistent=False)
 
     def build_block(self, args: Any, layer_id: int) -> nn.Module:
         """Block ``layer_id``; a family with blocks of its own overrides this."""
@@ -334,6 +393,10 @@ class Decoder(nn.Module):
     def _rope_tables(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.args
         return rope_tables(a.head_dim, a.rope_theta, a.max_seq_len, a.rope_scaling, device=device)
+
+    def _local_rope_tables(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.args
+        return rope_tables(a.head_dim, a.rope_local_theta, a.max_seq_len, None, device=device)
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
@@ -349,6 +412,10 @@ class Decoder(nn.Module):
         cos, sin = self._rope_tables(device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        if self.args.rope_local_theta is not None:
+            cos, sin = self._local_rope_tables(device=self.rope_local_cos.device)
+            self.rope_local_cos.copy_(cos)
+            self.rope_local_sin.copy_(sin)
         out_std = std / math.sqrt(2 * self.args.n_layers)
         seed = torch.initial_seed()
         if self.embed_tokens is not None:
@@ -392,15 +459,26 @@ class Decoder(nn.Module):
                 f"sequence length {seq_len} > max_seq_len {self.args.max_seq_len}; "
                 f"shorten the rows or raise model.max_seq_len"
             )
-        if positions is None:
-            cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]  # [S, D], broadcast over B, H
-        else:
-            cos = self.rope_cos[positions].unsqueeze(1)  # [B, 1, S, D]
-            sin = self.rope_sin[positions].unsqueeze(1)
+        cos, sin = _rope_at(self.rope_cos, self.rope_sin, positions, seq_len)
 
         h = tokens if self.embed_tokens is None else self.embed_tokens(tokens)
-        for block in self.layers.values():
-            h = block(h, cos, sin, attn_mask)
+        if self.embed_tokens is not None and self.args.scale_embeddings:
+            # sqrt(dim) rounded to the embeddings' dtype first, as Gemma's reference (and HF) do:
+            # in bf16 sqrt(3072) = 55.43 becomes 55.5, and checkpoints were trained with that.
+            h = h * torch.tensor(self.args.dim**0.5, dtype=h.dtype, device=h.device)
+        local = None  # the sliding layers' RoPE tables and mask, built once for all of them
+        if self.args.sliding_window is not None:
+            if self.args.rope_local_theta is not None:
+                local_tables = _rope_at(self.rope_local_cos, self.rope_local_sin, positions, seq_len)
+            else:
+                local_tables = (cos, sin)
+            window = sliding_window_mask(attn_mask, seq_len, self.args.sliding_window, h.device)
+            local = (*local_tables, window)
+        for name, block in self.layers.items():
+            if local is not None and self.args.is_sliding(int(name)):
+                h = block(h, *local)
+            else:
+                h = block(h, cos, sin, attn_mask)
         if self.norm is None:  # a pipeline stage before the last
             return h
         h = self.norm(h)
@@ -418,3 +496,12 @@ class Decoder(nn.Module):
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token; convention in :meth:`DecoderArgs.flops_per_token`."""
         return self.args.flops_per_token(seq_len)
+
+
+def _rope_at(
+    cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor | None, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of RoPE tables for ``positions`` (None: ``0..seq_len-1``), shaped to broadcast over q/k."""
+    if positions is None:
+        return cos_table[:seq_len], sin_table[:seq_len]  # [S, D], broadcast over B, H
+    return cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)  # [B, 1, S, D]

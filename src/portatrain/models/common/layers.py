@@ -1,4 +1,4 @@
-"""The layers every decoder family is built from: RMSNorm, SwiGLU feed-forward, grouped-query attention.
+"""The layers every decoder family is built from: RMSNorm, gated feed-forward, grouped-query attention.
 
 Each is single-device PyTorch, attention through ``F.scaled_dot_product_attention`` only
 (``portatrain.models.attention``). The three small ops kernels may replace are called through module
@@ -9,6 +9,11 @@ built from these layers gets every kernel.
 
 Parameter names are Hugging Face's (``q_proj``, ``gate_proj``, ``q_norm``...), so checkpoints map onto
 ``transformers`` by renaming the prefix alone (``portatrain.models.common.hf``).
+
+Gemma's variants are options here, not copies: a norm gain stored as an offset from 1
+(``unit_offset``), a GELU-tanh gate (``activation="gelu_tanh"``, which no kernel computes, so that
+feed-forward has no slot), an attention scale of its own (``softmax_scale``). GPT-OSS adds projection
+biases and attention sinks (``bias``, ``sinks``; ``portatrain.models.common.masks``).
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from portatrain.kernels.reference import rmsnorm, rope, swiglu
 from portatrain.models.attention import causal_attention
+from portatrain.models.common.masks import sink_attention
 
 QKNorm = Literal["none", "head", "proj"]
 """Where attention normalizes queries and keys (before RoPE):
@@ -29,6 +36,10 @@ QKNorm = Literal["none", "head", "proj"]
 * ``proj`` -- over the whole projection, all heads at once, one gain per channel (OLMo 2).
 """
 QK_NORMS: tuple[str, ...] = ("none", "head", "proj")
+Activation = Literal["silu", "gelu_tanh"]
+"""A gated feed-forward's gate: ``silu`` (SwiGLU, the kernel slot ``swiglu_fn``) or ``gelu_tanh``
+(GEGLU with the tanh approximation of GELU, Gemma; Shazeer 2020, https://arxiv.org/abs/2002.05202)."""
+ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh")
 
 
 def trunc_normal_(weight: torch.Tensor, std: float) -> None:
@@ -39,34 +50,51 @@ def trunc_normal_(weight: torch.Tensor, std: float) -> None:
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm over the last dimension, with a learned gain and no bias
-    (Zhang & Sennrich 2019, https://arxiv.org/abs/1910.07467)."""
+    (Zhang & Sennrich 2019, https://arxiv.org/abs/1910.07467).
 
-    def __init__(self, dim: int, eps: float) -> None:
+    ``unit_offset``: the stored weight is the gain minus 1 (Gemma's ``1 + weight``, initialized to
+    zeros), so Gemma's checkpoints load as they are; the kernel slot still gets the gain itself.
+    """
+
+    def __init__(self, dim: int, eps: float, *, unit_offset: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.unit_offset = unit_offset
         self.weight = nn.Parameter(torch.empty(dim))
         self.rmsnorm_fn = rmsnorm  # F.rms_norm, unless a kernel override replaces it
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.weight) if self.unit_offset else nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The gain in the input's dtype: under autocast a norm may see bf16 activations (per-head
         # q/k norms, latent norms) beside its fp32 gain, and torch's fused rms_norm refuses mixed
         # dtypes (it falls back to a slower composite and warns). A no-op when they already agree.
-        return self.rmsnorm_fn(x, self.weight.to(x.dtype), self.eps)
+        # Gemma's offset is added in fp32 first (its reference computes ``1 + weight`` in fp32).
+        gain = 1 + self.weight.float() if self.unit_offset else self.weight
+        return self.rmsnorm_fn(x, gain.to(x.dtype), self.eps)
+
+
+def gelu_tanh_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GEGLU's activation with tanh-approximated GELU (HF ``gelu_pytorch_tanh``): ``gelu(gate) * up``."""
+    return F.gelu(gate, approximate="tanh") * up
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020, https://arxiv.org/abs/2002.05202)."""
+    """Gated MLP: ``down(act(gate(x)) * up(x))`` (Shazeer 2020, https://arxiv.org/abs/2002.05202);
+    SwiGLU (``silu``, through the ``swiglu_fn`` slot) unless ``activation`` says ``gelu_tanh``."""
 
-    def __init__(self, dim: int, hidden_dim: int) -> None:
+    def __init__(self, dim: int, hidden_dim: int, activation: Activation = "silu") -> None:
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is not one of {', '.join(ACTIVATIONS)}")
+        self.activation = activation
         self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
         self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
-        self.swiglu_fn = swiglu  # silu(gate) * up, unless a kernel override replaces it
+        if activation == "silu":  # no slot otherwise: a SwiGLU kernel must not replace another gate
+            self.swiglu_fn = swiglu  # silu(gate) * up, unless a kernel override replaces it
 
     def init_weights(self, std: float, out_std: float) -> None:
         trunc_normal_(self.gate_proj.weight, std)
@@ -74,7 +102,9 @@ class FeedForward(nn.Module):
         trunc_normal_(self.down_proj.weight, out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.swiglu_fn(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        hidden = self.swiglu_fn(gate, up) if self.activation == "silu" else gelu_tanh_glu(gate, up)
+        return self.down_proj(hidden)
 
 
 class Attention(nn.Module):
@@ -83,6 +113,9 @@ class Attention(nn.Module):
     ``n_heads * head_dim`` need not equal ``dim`` (Qwen 3 decouples them). k/v heads are shared as
     ``portatrain.models.attention`` describes (SDPA's ``enable_gqa`` without a mask, repeated heads
     with one). ``qk_norm`` is one of :data:`QK_NORMS`; the norms run before RoPE in every kind.
+    ``softmax_scale``: None for ``1/sqrt(head_dim)``; ``bias``: the four projections have biases;
+    ``sinks``: one learned sink logit per query head (:func:`~portatrain.models.common.masks.sink_attention`);
+    ``norm_unit_offset``: the q/k norms' gains are stored as offsets from 1 (Gemma).
     """
 
     def __init__(
@@ -94,30 +127,41 @@ class Attention(nn.Module):
         *,
         norm_eps: float,
         qk_norm: QKNorm = "none",
+        softmax_scale: float | None = None,
+        bias: bool = False,
+        sinks: bool = False,
+        norm_unit_offset: bool = False,
     ) -> None:
         super().__init__()
         if qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm={qk_norm!r} is not one of {', '.join(QK_NORMS)}")
         self.head_dim = head_dim
         self.qk_norm = qk_norm
-        self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.softmax_scale = softmax_scale
+        self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=bias)
         if (
             qk_norm == "head"
         ):  # one gain of head_dim values, shared by every head (HF: "only on the head dim")
-            self.q_norm = RMSNorm(head_dim, norm_eps)
-            self.k_norm = RMSNorm(head_dim, norm_eps)
+            self.q_norm = RMSNorm(head_dim, norm_eps, unit_offset=norm_unit_offset)
+            self.k_norm = RMSNorm(head_dim, norm_eps, unit_offset=norm_unit_offset)
         elif qk_norm == "proj":  # one gain per channel of the whole projection
-            self.q_norm = RMSNorm(n_heads * head_dim, norm_eps)
-            self.k_norm = RMSNorm(n_kv_heads * head_dim, norm_eps)
+            self.q_norm = RMSNorm(n_heads * head_dim, norm_eps, unit_offset=norm_unit_offset)
+            self.k_norm = RMSNorm(n_kv_heads * head_dim, norm_eps, unit_offset=norm_unit_offset)
+        self.sinks = nn.Parameter(torch.empty(n_heads)) if sinks else None
         self.rope_fn = rope  # x * cos + rotate_half(x) * sin, unless a kernel override replaces it
 
     def init_weights(self, std: float, out_std: float) -> None:
         for linear in (self.q_proj, self.k_proj, self.v_proj):
             trunc_normal_(linear.weight, std)
         trunc_normal_(self.o_proj.weight, out_std)
+        for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+        if self.sinks is not None:
+            trunc_normal_(self.sinks, std)
         if self.qk_norm != "none":
             self.q_norm.reset_parameters()
             self.k_norm.reset_parameters()
@@ -138,6 +182,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = self.rope_fn(q, cos, sin), self.rope_fn(k, cos, sin)
-        # SDPA scales by 1/sqrt(q.shape[-1]) = 1/sqrt(head_dim), as HF does.
-        out = causal_attention(q, k, v, attn_mask)
+        # SDPA scales by 1/sqrt(q.shape[-1]) = 1/sqrt(head_dim) unless told otherwise, as HF does.
+        if self.sinks is None:
+            out = causal_attention(q, k, v, attn_mask, self.softmax_scale)
+        else:  # (a tensor-parallel rank's heads would need their share of the sinks: refused by the plan)
+            out = sink_attention(q, k, v, attn_mask, self.sinks, self.softmax_scale)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))

@@ -25,8 +25,10 @@ holds query heads ``[r*n_heads/tp, (r+1)*n_heads/tp)`` and exactly the kv heads 
 
 What the plan cannot shard it refuses before any process starts (:func:`layout_problems`, a
 family's ``ModelSpec.parallel_problems``): q/k norms over the whole projection (OLMo 2) would need
-the sum of squares of every rank's heads; tensor parallel of a mixture of experts; expert parallel
-of a dense model, or over a number of ranks that does not divide the experts.
+the sum of squares of every rank's heads; tensor parallel of a mixture of experts or of attention
+sinks; expert parallel of a dense model, or over a number of ranks that does not divide the experts;
+context parallel of sliding-window layers or attention sinks (the masks of
+``portatrain.models.common.masks`` need every key of the row on one rank).
 
 Tied embeddings (Llama 3.2 1B/3B) are tensor-parallel too: one vocabulary-sharded matrix serves the
 embedding and the output projection (:func:`_tied_output_projection`).
@@ -159,6 +161,18 @@ def layout_problems(parallel: Any, args: Any) -> list[str]:
             f"parallel.tp={parallel.tp}: tensor parallel does not shard a mixture of experts' experts; "
             "set parallel.tp=1 and shard with FSDP2 instead (parallel.dp_shard)"
         )
+    sliding = getattr(args, "sliding_window", None) is not None
+    if getattr(parallel, "cp", 1) > 1 and (sliding or args.attention_sinks):
+        what = "sliding-window layers" if sliding else "attention sinks"
+        problems.append(
+            f"parallel.cp={parallel.cp}: context parallel does not implement {what} (their mask needs every key "
+            "of the row on one rank); set parallel.cp=1 and shard with FSDP2 (parallel.dp_shard)"
+        )
+    if parallel.tp > 1 and args.attention_sinks and not sparse:
+        problems.append(
+            f"parallel.tp={parallel.tp}: tensor parallel does not split attention sinks over ranks; set "
+            "parallel.tp=1 and shard with FSDP2 (parallel.dp_shard)"
+        )
     if parallel.tp > 1 and args.qk_norm == "proj":
         problems.append(
             f"parallel.tp={parallel.tp}: this model normalizes q and k over all heads at once "
@@ -196,9 +210,14 @@ def block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
     }
+    # A norm after a sub-layer (post, both) returns into the residual sum, a plain local tensor: its
+    # output is made local too (a norm before one feeds a PrepareModuleInput, which takes a DTensor).
+    after = (
+        set() if block.norm_placement == "pre" else {"post_attention_layernorm", "post_feedforward_layernorm"}
+    )
     for name, child in block.named_children():
         if isinstance(child, RMSNorm):  # the residual-stream norms, wherever the family places them
-            plan[name] = SequenceParallel()
+            plan[name] = SequenceParallel(use_local_output=name in after)
     if block.self_attn.qk_norm == "head":
         for name in ("self_attn.q_norm", "self_attn.k_norm"):
             plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)

@@ -3,8 +3,9 @@
 The rotation itself is :func:`portatrain.kernels.reference.rope` (a kernel slot, ``rope_fn``, on every
 attention module); this file computes the fp32 ``cos``/``sin`` tables it reads. Plain RoPE (Su et al.
 2021, https://arxiv.org/abs/2104.09864), Llama 3.1's frequency scaling (:class:`RopeScaling`, HF
-``rope_type="llama3"``) and YaRN (:class:`YarnScaling`, HF ``rope_type="yarn"``, as DeepSeek-V3 uses)
-are implemented.
+``rope_type="llama3"``), linear position interpolation (:class:`LinearScaling`, HF
+``rope_type="linear"``, as Gemma 3's global layers use) and YaRN (:class:`YarnScaling`, HF
+``rope_type="yarn"``, as DeepSeek-V3 and GPT-OSS use) are implemented.
 """
 
 from __future__ import annotations
@@ -36,6 +37,19 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class LinearScaling:
+    """Linear position interpolation (Chen et al. 2023, https://arxiv.org/abs/2306.15595; HF
+    ``rope_type="linear"``): every frequency divided by ``factor``, as if positions were ``factor``
+    times closer. Gemma 3 4B-27B scale their global layers' RoPE so (factor 8, 32k -> 128k)."""
+
+    factor: float = 8.0
+    """Divisor of every frequency."""
+
+    def problems(self, prefix: str = "model.rope_scaling") -> list[str]:
+        return [] if self.factor >= 1 else [f"{prefix}.factor={self.factor} must be >= 1 (1: no scaling)"]
+
+
+@dataclass(frozen=True)
 class YarnScaling:
     """YaRN (Peng et al. 2023, https://arxiv.org/abs/2309.00071; HF ``rope_type="yarn"``), as
     DeepSeek-V3 extends a 4k pre-training context to 128k.
@@ -61,6 +75,9 @@ class YarnScaling:
     """Temperature coefficient of the cos/sin tables (numerator)."""
     mscale_all_dim: float = 1.0
     """Temperature coefficient shared by the tables (denominator) and the softmax scale."""
+    truncate: bool = True
+    """Round the ramp's ends to whole channel pairs (HF's default, DeepSeek-V3); GPT-OSS ramps
+    between the exact, fractional ones (HF ``truncate: false``)."""
 
     def temperature(self, coefficient: float) -> float:
         """``0.1 * coefficient * ln(factor) + 1`` (1 without extension)."""
@@ -94,7 +111,7 @@ class YarnScaling:
 def _yarn_inv_freq(
     inv_freq: torch.Tensor, rotary_dim: int, theta: float, scaling: YarnScaling
 ) -> torch.Tensor:
-    """HF's ``_compute_yarn_parameters`` (``truncate=True``) in fp32."""
+    """HF's ``_compute_yarn_parameters`` in fp32."""
 
     def correction_dim(rotations: float) -> float:  # the channel pair that turns ``rotations`` times
         return (
@@ -103,8 +120,10 @@ def _yarn_inv_freq(
             / (2 * math.log(theta))
         )
 
-    low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(scaling.beta_slow)), rotary_dim - 1)
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
     ramp = (torch.arange(rotary_dim // 2, device=inv_freq.device, dtype=torch.float32) - low) / max(
         high - low, 0.001
     )
@@ -115,10 +134,10 @@ def _yarn_inv_freq(
 def rope_inv_freq(
     head_dim: int,
     theta: float,
-    scaling: RopeScaling | YarnScaling | None,
+    scaling: RopeScaling | LinearScaling | YarnScaling | None,
     device: torch.device | None = None,
 ) -> torch.Tensor:
-    """Inverse frequencies ``theta^(-2i/head_dim)``, scaled as ``scaling`` says (Llama 3.1 or YaRN).
+    """Inverse frequencies ``theta^(-2i/head_dim)``, scaled as ``scaling`` says (Llama 3.1, linear or YaRN).
 
     Llama 3.1: same arithmetic, in fp32, as Meta's ``apply_scaling`` (meta-llama/llama-models,
     ``models/llama3/reference_impl/model.py``) and HF's ``_compute_llama3_parameters``.
@@ -128,6 +147,8 @@ def rope_inv_freq(
         return inv_freq
     if isinstance(scaling, YarnScaling):
         return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    if isinstance(scaling, LinearScaling):
+        return inv_freq / scaling.factor
     low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -147,7 +168,7 @@ def rope_tables(
     head_dim: int,
     theta: float,
     max_seq_len: int,
-    scaling: RopeScaling | YarnScaling | None = None,
+    scaling: RopeScaling | LinearScaling | YarnScaling | None = None,
     device: torch.device | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables of shape ``[max_seq_len, head_dim]`` in fp32.
