@@ -21,6 +21,7 @@ from portatrain.errors import ConfigError
 from portatrain.models.common.moe import DISPATCH_MODES
 from portatrain.models.deepseek_v3 import DEEPSEEK_V3
 from portatrain.models.gemma3 import GEMMA3
+from portatrain.models.gpt_oss import GPT_OSS
 from portatrain.models.llama import LLAMA3
 from portatrain.models.olmo2 import OLMO2
 from portatrain.models.qwen3 import QWEN3
@@ -28,7 +29,7 @@ from portatrain.models.qwen3_moe import QWEN3_MOE
 from portatrain.models.spec import ModelSpec
 
 SPECS: dict[str, ModelSpec] = {
-    spec.name: spec for spec in (LLAMA3, QWEN3, OLMO2, QWEN3_MOE, DEEPSEEK_V3, GEMMA3)
+    spec.name: spec for spec in (LLAMA3, QWEN3, OLMO2, QWEN3_MOE, DEEPSEEK_V3, GEMMA3, GPT_OSS)
 }
 """Model family name (``model.name``) -> its spec. One entry per family."""
 

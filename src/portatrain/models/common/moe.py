@@ -8,12 +8,13 @@ What is here, top to bottom:
   :func:`configure_moe`), a loop over the groups elsewhere. Opaque to ``torch.compile`` (its output
   shape is static), so a compiled block never traces the data-dependent group sizes.
 * :class:`Router` -- token-choice top-k over softmax scores, with optional renormalization of the
-  top-k weights (Qwen 3 MoE's ``norm_topk_prob``).
+  top-k weights (Qwen 3 MoE's ``norm_topk_prob``) and an optional bias on the scores (GPT-OSS).
 * :class:`BiasedRouter` -- DeepSeek-V3's: sigmoid scores, a per-expert bias added for selection
   only, group-limited top-k and a routed scaling factor; the bias is nudged after each optimizer
   step toward even load (:func:`update_expert_bias`), outside the gradient.
 * :class:`GroupedExperts` -- every expert's SwiGLU weights stacked as ``[n_experts, ...]`` tensors,
-  in Hugging Face transformers 5's layout (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``).
+  in Hugging Face transformers 5's layout (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``);
+  optionally with biases and another gate (GPT-OSS's :func:`clamped_swiglu`).
 * :class:`MoE` -- routes, dispatches, combines; adds the load-balancing loss to the gradient and keeps
   routing statistics in buffers.
 
@@ -162,13 +163,21 @@ grouped_linear.register_autograd(_grouped_linear_backward, setup_context=_groupe
 
 
 class Router(nn.Module):
-    """Token-choice top-k routing: a linear scorer (``weight [n_experts, dim]``, HF's ``mlp.gate``)."""
+    """Token-choice top-k routing: a linear scorer (``weight [n_experts, dim]``, HF's ``mlp.gate``;
+    ``bias``: plus ``bias [n_experts]``, GPT-OSS's ``mlp.router``).
 
-    def __init__(self, dim: int, n_experts: int, top_k: int, *, norm_topk_prob: bool) -> None:
+    With ``norm_topk_prob`` the weights are the softmax over the chosen experts' logits alone
+    (``p_e / sum_topk p``), which is how GPT-OSS writes its router (softmax after top-k).
+    """
+
+    def __init__(
+        self, dim: int, n_experts: int, top_k: int, *, norm_topk_prob: bool, bias: bool = False
+    ) -> None:
         super().__init__()
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.weight = nn.Parameter(torch.empty(n_experts, dim))
+        self.bias = nn.Parameter(torch.empty(n_experts)) if bias else None
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """Router probabilities ``[T, n_experts]`` in fp32 (softmax over the experts).
@@ -179,10 +188,12 @@ class Router(nn.Module):
         softmaxes with ``dtype=torch.float``; torchtitan's ``TokenChoiceTopKRouter`` likewise). The
         weights go back to the activations' dtype only where they scale the experts' activations.
         """
-        return F.softmax(F.linear(x, self.weight).float(), dim=-1)
+        return F.softmax(F.linear(x, self.weight, self.bias).float(), dim=-1)
 
     def init_weights(self, std: float) -> None:
         trunc_normal_(self.weight, std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(weights [T, k] fp32, experts [T, k], probs [T, n_experts] fp32)`` for tokens ``x [T, dim]``."""
@@ -284,14 +295,37 @@ def matmul_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-class GroupedExperts(nn.Module):
-    """``n_experts`` SwiGLU feed-forwards with stacked weights; ``swiglu_fn`` is the kernel slot."""
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, *, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's expert gate: ``(up + 1) * gate * sigmoid(alpha * gate)``, the gate clamped to at most
+    ``limit`` and ``up`` to ``[-limit, limit]`` (openai/gpt-oss ``gpt_oss/torch/model.py``, ``swiglu``).
+    Not SiLU (``alpha`` 1.702, the sigmoid approximation of GELU), so no kernel slot computes it."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(alpha * gate) * (up + 1)
 
-    def __init__(self, n_experts: int, dim: int, hidden_dim: int) -> None:
+
+class GroupedExperts(nn.Module):
+    """``n_experts`` gated feed-forwards with stacked weights: SwiGLU through the kernel slot
+    ``swiglu_fn``, or ``activation(gate, up)`` (no slot). ``bias``: each expert's projections have
+    biases (``gate_up_proj_bias [E, 2I]``, ``down_proj_bias [E, H]``, GPT-OSS)."""
+
+    def __init__(
+        self,
+        n_experts: int,
+        dim: int,
+        hidden_dim: int,
+        *,
+        bias: bool = False,
+        activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
-        self.swiglu_fn = swiglu  # silu(gate) * up, unless a kernel override replaces it
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(n_experts, 2 * hidden_dim)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(n_experts, dim)) if bias else None
+        self.activation = activation
+        if activation is None:  # no slot otherwise: a SwiGLU kernel must not replace another gate
+            self.swiglu_fn = swiglu  # silu(gate) * up, unless a kernel override replaces it
         self.weight_view = _stored  # the weights as computed with (expert parallel: the local shard)
         # Dtypes the device runs ``torch._grouped_mm`` in (set by ``configure_moe`` from the
         # accelerator adapter); empty: the loop over the groups, which runs anywhere.
@@ -300,6 +334,12 @@ class GroupedExperts(nn.Module):
     def init_weights(self, std: float, out_std: float) -> None:
         trunc_normal_(self.gate_up_proj, std)
         trunc_normal_(self.down_proj, out_std)
+        for bias in (self.gate_up_proj_bias, self.down_proj_bias):
+            if bias is not None:
+                nn.init.zeros_(bias)
+
+    def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.swiglu_fn(gate, up) if self.activation is None else self.activation(gate, up)
 
     # Both take each row's routing weight and apply it to the SwiGLU activations (width ``hidden``)
     # rather than to the outputs (width ``dim``, larger): the down projection is linear, so the
@@ -319,9 +359,18 @@ class GroupedExperts(nn.Module):
         dtype = matmul_dtype(x)
         x, gate_up_proj, down_proj = x.to(dtype), gate_up_proj.to(dtype), down_proj.to(dtype)
         native = dtype in self.grouped_mm_dtypes
-        gate, up = grouped_linear(x, gate_up_proj, offs, native).chunk(2, dim=-1)
-        hidden = self.swiglu_fn(gate, up) * weights[:, None].to(gate.dtype)
-        return grouped_linear(hidden, down_proj, offs, native)
+        gate_up = grouped_linear(x, gate_up_proj, offs, native)
+        if self.gate_up_proj_bias is not None:  # each row's expert, from the group ends (no host read)
+            expert = torch.searchsorted(
+                offs, torch.arange(x.shape[0], device=x.device, dtype=offs.dtype), right=True
+            )
+            gate_up = gate_up + self.weight_view(self.gate_up_proj_bias).to(dtype)[expert]
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = self._glu(gate, up) * weights[:, None].to(gate.dtype)
+        out = grouped_linear(hidden, down_proj, offs, native)
+        if self.down_proj_bias is not None:  # the weight scales the bias too: w * (down(h) + b)
+            out = out + self.weight_view(self.down_proj_bias).to(dtype)[expert] * weights[:, None].to(dtype)
+        return out
 
     def batched(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each expert's slots ``x [n_experts, slots, dim]`` with routing ``weights [n_experts, slots]``:
@@ -329,9 +378,16 @@ class GroupedExperts(nn.Module):
         gate_up_proj, down_proj = self.weight_view(self.gate_up_proj), self.weight_view(self.down_proj)
         # Features first (``weight @ x^T``), so the weights' gradients come back in their stored
         # layout and are not copied into it.
-        gate, up = torch.matmul(gate_up_proj, x.transpose(1, 2)).chunk(2, dim=1)
-        hidden = self.swiglu_fn(gate, up) * weights[:, None, :].to(gate.dtype)
-        return torch.matmul(down_proj, hidden).transpose(1, 2)
+        gate_up = torch.matmul(gate_up_proj, x.transpose(1, 2))  # [E, 2I, slots]
+        if self.gate_up_proj_bias is not None:
+            gate_up = gate_up + self.weight_view(self.gate_up_proj_bias).to(gate_up.dtype)[:, :, None]
+        gate, up = gate_up.chunk(2, dim=1)
+        hidden = self._glu(gate, up) * weights[:, None, :].to(gate.dtype)
+        out = torch.matmul(down_proj, hidden)  # [E, H, slots]
+        if self.down_proj_bias is not None:  # an empty slot's weight is 0: its bias adds nothing
+            bias = self.weight_view(self.down_proj_bias).to(out.dtype)
+            out = out + bias[:, :, None] * weights[:, None, :].to(out.dtype)
+        return out.transpose(1, 2)
 
 
 class ExpertExchange(Protocol):
@@ -373,6 +429,7 @@ class MoE(nn.Module):
             wide (DeepSeek's ``shared_experts``); 0 for none.
         aux_loss_coef: weight of the load-balancing loss (Qwen 3 MoE's ``router_aux_loss_coef``).
         router: the router (e.g. a :class:`BiasedRouter`); default a softmax :class:`Router`.
+        experts: the routed experts (e.g. biased, with another gate); default SwiGLU :class:`GroupedExperts`.
     """
 
     def __init__(
@@ -386,12 +443,13 @@ class MoE(nn.Module):
         n_shared_experts: int = 0,
         aux_loss_coef: float = 0.0,
         router: Router | None = None,
+        experts: GroupedExperts | None = None,
     ) -> None:
         super().__init__()
         self.n_experts, self.top_k = n_experts, top_k
         self.aux_loss_coef = aux_loss_coef
         self.gate = Router(dim, n_experts, top_k, norm_topk_prob=norm_topk_prob) if router is None else router
-        self.experts = GroupedExperts(n_experts, dim, hidden_dim)
+        self.experts = GroupedExperts(n_experts, dim, hidden_dim) if experts is None else experts
         self.shared_experts = FeedForward(dim, hidden_dim * n_shared_experts) if n_shared_experts else None
         # Execution settings the trainer sets (model code never looks at the device).
         self.dispatch = "dropless"
@@ -582,3 +640,4 @@ def configure_moe(
         m.reduce_stats = reduce_stats
         m.experts.grouped_mm_dtypes = native
     return len(layers)
+
