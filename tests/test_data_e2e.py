@@ -4,17 +4,13 @@ built BPE tokenizer, resume mid-epoch bit-exactly on 1 and on 2 ranks, export, g
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from portatrain.checkpoint import complete_checkpoints
 from portatrain.trainer import Trainer
-from tests.helpers import ROOT, TINY, compose_config, run_cli, step_losses
+from tests.helpers import TINY, compose_config, launch_runs, run_cli, step_losses
 from tests.test_tokenizer import make_bpe_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -45,38 +41,6 @@ class StopAt(Trainer):
     def on_step_end(self, step: int, metrics: dict) -> None:
         if step == STOP and self.dist.is_main:
             self.preemption.requested = True
-
-
-def _torchrun(args: list[str], cwd: Path, *, stop: bool) -> None:
-    script = cwd / "stop_at.py"
-    script.write_text(
-        textwrap.dedent(
-            f"""
-            from portatrain.cli import main
-            from portatrain.trainer import Trainer
-
-            class StopAt(Trainer):
-                def on_step_end(self, step, metrics):
-                    if {stop!r} and step == {STOP} and self.dist.is_main:
-                        self.preemption.requested = True
-
-            main(trainer_cls=StopAt)
-            """
-        )
-    )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("WORLD_SIZE", None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(script),
-        *args,
-    ]
-    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
 
 def _loader_position(run_dir: Path, rank: int = 0) -> dict:
@@ -123,18 +87,19 @@ def test_one_rank_trains_resumes_mid_epoch_exports_and_generates(prepared, tmp_p
 
 
 def test_two_ranks_resume_mid_epoch_bit_exactly(prepared, tmp_path):
+    """One two-process launch: the uninterrupted run, then a run stopped after step STOP and its
+    resume in the same run directory."""
     two = ["data.batch_size=4", "parallel.dp_shard=2"]
-    _torchrun(
-        [*_run(prepared, *two, "checkpoint.enabled=false"), f"run_dir={tmp_path / 'ref'}"],
-        tmp_path,
-        stop=False,
-    )
-    reference = step_losses(tmp_path / "ref")
+    runs = {
+        "ref": _run(prepared, *two, "checkpoint.enabled=false"),
+        "stopped": [*_run(prepared, *two), "run_dir=run"],
+        "resumed": [*_run(prepared, *two, "checkpoint.resume=auto"), "run_dir=run"],
+    }
+    dirs = launch_runs(2, runs, tmp_path, stop_at={"stopped": STOP})
+    reference = step_losses(dirs["ref"])
     assert sorted(reference) == list(range(1, STEPS + 1))
 
-    run_dir = tmp_path / "run"
-    _torchrun([*_run(prepared, *two), f"run_dir={run_dir}"], tmp_path, stop=True)
+    run_dir = dirs["stopped"]  # its oldest checkpoint is the stop's (step STOP)
     assert _loader_position(run_dir, 0) == _loader_position(run_dir, 1)  # one global position
     assert _loader_position(run_dir)["epoch"] == 0
-    _torchrun([*_run(prepared, *two, "checkpoint.resume=auto"), f"run_dir={run_dir}"], tmp_path, stop=False)
     assert step_losses(run_dir) == reference  # bit-exact on 2 ranks

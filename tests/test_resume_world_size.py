@@ -4,23 +4,20 @@ A run stopped at step 4 on 2 FSDP2 ranks (``data.batch_size=4``) resumes on 1 ra
 (``data.batch_size=8``), and the other way round. The global batch (8 rows) is the same, so the
 sampler continues the same global batches, and every step's loss matches one uninterrupted
 process to fp32 reduction-order rounding. Both runs start from the same Hugging Face directory
-(``model.init_from``), which also checks that FSDP2 ranks load their own slices of it.
+(``model.init_from``), which also checks that FSDP2 ranks load their own slices of it. The
+two-process runs of both directions share one launch (``tests/launch_runs.py``).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from portatrain.checkpoint import CheckpointError, complete_checkpoints, read_trainer_state
 from portatrain.trainer import Trainer
-from tests.conftest import ROOT, TINY, compose_config
-from tests.helpers import step_losses
+from tests.conftest import TINY, compose_config
+from tests.helpers import launch_runs, step_losses
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -62,38 +59,26 @@ class StopAt(Trainer):
             self.preemption.requested = True
 
 
-def _torchrun(args: list[str], cwd: Path, *, stop: bool) -> subprocess.CompletedProcess:
-    script = cwd / "stop_at.py"
-    script.write_text(
-        textwrap.dedent(
-            f"""
-            from portatrain.cli import main
-            from portatrain.trainer import Trainer
-
-            class StopAt(Trainer):
-                def on_step_end(self, step, metrics):
-                    if {stop!r} and step == {STOP} and self.dist.is_main:
-                        self.preemption.requested = True
-
-            if __name__ == "__main__":  # async_mode=process spawns DCP's process, which imports this file
-                main(trainer_cls=StopAt)
-            """
-        )
-    )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    env.pop("WORLD_SIZE", None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(script),
-        *args,
-    ]
-    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, hf_dir: Path) -> dict[str, Path]:
+    """One process saves at step ``STOP`` (``one_rank``); then ONE two-process launch runs 2 FSDP2 ranks
+    that stop and save at step ``STOP`` (``two_ranks``), and resumes ``one_rank`` on 2 FSDP2 ranks."""
+    tmp_path = tmp_path_factory.mktemp("world_size")
+    one_rank = tmp_path / "one_rank"
+    trainer = StopAt(compose_config([*RUN, "data.batch_size=8", f"model.init_from={hf_dir}"], one_rank))
+    trainer.fit()
+    trainer.close()
+    assert [p.name for p in complete_checkpoints(one_rank / "checkpoints")] == [f"step_{STOP:07d}"]
+    two = [*RUN, "data.batch_size=4", "parallel.dp_shard=2"]
+    runs = {
+        # The stop's save is asynchronous (FSDP2 shards staged, committed on a gloo group of its own):
+        # the run waits for it before ending.
+        "two_ranks": [*two, "checkpoint.async_mode=thread", f"model.init_from={hf_dir}"],
+        # Its final save through DCP's checkpoint process, one per rank.
+        "one_to_two": [*two, "checkpoint.resume=auto", "checkpoint.async_mode=process", "run_dir=one_rank"],
+    }
+    dirs = launch_runs(2, runs, tmp_path, stop_at={"two_ranks": STOP})
+    return {"one_rank": one_rank, **dirs}
 
 
 def _assert_close(got: dict[int, float], want: dict[int, float]) -> None:
@@ -102,22 +87,8 @@ def _assert_close(got: dict[int, float], want: dict[int, float]) -> None:
         assert got[step] == pytest.approx(want[step], abs=1e-5), step
 
 
-def test_two_fsdp2_ranks_save_one_rank_resumes(tmp_path: Path, hf_dir: Path, reference: dict) -> None:
-    run_dir = tmp_path / "run"
-    _torchrun(
-        # The stop's save is asynchronous (FSDP2 shards staged, committed on a gloo group of its own):
-        # the run waits for it before exiting.
-        [
-            *RUN,
-            "data.batch_size=4",
-            "parallel.dp_shard=2",
-            "checkpoint.async_mode=thread",
-            f"model.init_from={hf_dir}",
-            f"run_dir={run_dir}",
-        ],
-        tmp_path,
-        stop=True,
-    )
+def test_two_fsdp2_ranks_save_one_rank_resumes(runs: dict[str, Path], reference: dict) -> None:
+    run_dir = runs["two_ranks"]
     (ckpt,) = complete_checkpoints(run_dir / "checkpoints")
     state = read_trainer_state(ckpt)
     assert state["step"] == STOP and state["world_size"] == 2
@@ -139,24 +110,7 @@ def test_two_fsdp2_ranks_save_one_rank_resumes(tmp_path: Path, hf_dir: Path, ref
     _assert_close(step_losses(run_dir), reference)
 
 
-def test_one_rank_saves_two_fsdp2_ranks_resume(tmp_path: Path, hf_dir: Path, reference: dict) -> None:
-    run_dir = tmp_path / "run"
-    trainer = StopAt(compose_config([*RUN, "data.batch_size=8", f"model.init_from={hf_dir}"], run_dir))
-    trainer.fit()
-    trainer.close()
-    assert [p.name for p in complete_checkpoints(run_dir / "checkpoints")] == [f"step_{STOP:07d}"]
-
-    _torchrun(  # its final save through DCP's checkpoint process, one per rank
-        [
-            *RUN,
-            "data.batch_size=4",
-            "parallel.dp_shard=2",
-            "checkpoint.resume=auto",
-            "checkpoint.async_mode=process",
-            f"run_dir={run_dir}",
-        ],
-        tmp_path,
-        stop=False,
-    )
+def test_one_rank_saves_two_fsdp2_ranks_resume(runs: dict[str, Path], reference: dict) -> None:
+    run_dir = runs["one_to_two"]  # saved at STOP by one process (the fixture), resumed by two
     _assert_close(step_losses(run_dir), reference)
     assert read_trainer_state(complete_checkpoints(run_dir / "checkpoints")[-1])["world_size"] == 2
