@@ -29,6 +29,11 @@ One module per concern:
   DCP's ``.metadata`` index with an unpickler that admits only DCP's own metadata classes, and
   refuses an index that declares any non-tensor (pickled) entry before reading a byte of it
   (:class:`UnsafeCheckpointError`; ``checkpoint.resume=auto`` skips such a checkpoint and says so);
+- ``base.py`` -- a model with frozen parameters (LoRA): its step checkpoints hold the trainable
+  parameters and the optimizer state, and reference the frozen base by path and SHA-256 -- the
+  ``model.init_from`` directory, or ``<run_dir>/checkpoints/base`` written once per run -- which
+  every load checks before it reads it; :class:`ModelTensors` reads a checkpoint's model tensors
+  wherever they live (``export``);
 - ``hf.py`` -- :func:`load_hf_weights` initializes a model from a local Hugging Face safetensors
   directory through its family's ``ModelSpec``, each rank reading only the slices it holds;
 - ``common.py`` -- :class:`CheckpointError` (a ``UserError``: the one error a user sees for a
@@ -44,6 +49,10 @@ Layout of ``<run_dir>/checkpoints/step_<N>/``::
                              checksum of every model and optimizer tensor (rank 0)
     dataloader_rank<R>.json  each rank's StatefulDataLoader state
     config.yaml              the resolved config of the run that saved it
+
+A model with frozen parameters saves them once, in ``<run_dir>/checkpoints/base/`` (``.metadata``,
+``__<rank>_0.distcp``, ``base.json``: world size and tensor checksums), unless they came from
+``model.init_from``; each ``trainer_state.json`` then records ``base``: kind, path and SHA-256.
 
 Only tensors go through DCP, everything else is JSON: DCP stores non-tensor values with
 ``torch.save`` and reads them back with ``torch.load(weights_only=False)``, which would execute
@@ -65,6 +74,7 @@ at most, and a failure is raised where the loop next waits for it (the next save
 
 from __future__ import annotations
 
+from portatrain.checkpoint.base import BASE_DIR, ModelTensors
 from portatrain.checkpoint.checkpointer import (
     LEGACY_MODEL_NAME,
     Checkpointer,
@@ -80,11 +90,13 @@ from portatrain.checkpoint.safe_metadata import UnsafeMetadataError, safe_reader
 from portatrain.checkpoint.verify import DamagedCheckpointError, nonfinite_keys
 
 __all__ = [
+    "BASE_DIR",
     "FORMAT",
     "LEGACY_MODEL_NAME",
     "CheckpointError",
     "Checkpointer",
     "DamagedCheckpointError",
+    "ModelTensors",
     "PreemptionWatcher",
     "complete_checkpoints",
     "find_checkpoint",

@@ -4,6 +4,9 @@
   ``checkpoint.every`` steps and at the end, keeps the last K, and loads one back -- into the same
   or a different number of ranks (FSDP2 DTensors are resharded by DCP's planner);
 - :func:`load_model_weights` loads a model's weights only (evaluation);
+- a model with frozen parameters (LoRA) saves its trainable ones and references its frozen base,
+  written or hashed once per run, and every load reads the base through that reference first
+  (``base.py``);
 - :func:`changed_hyperparameters` -- the resume policy for optimizer hyper-parameters.
 
 Its parts live beside it: finding and checking checkpoints without reading tensors
@@ -28,6 +31,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from portatrain.checkpoint.base import (
+    BASE_DIR,
+    checked_reference,
+    frozen_state_dict,
+    has_frozen_parameters,
+    init_from_reference,
+    read_base_state,
+    trainable_options,
+    write_base,
+)
 from portatrain.checkpoint.common import (
     FORMAT,
     METADATA,
@@ -42,8 +55,9 @@ from portatrain.checkpoint.common import (
 )
 from portatrain.checkpoint.diagnostics import raise_save_failure, unreadable
 from portatrain.checkpoint.discovery import complete_checkpoints as complete_checkpoints
-from portatrain.checkpoint.discovery import inspect_checkpoint
+from portatrain.checkpoint.discovery import inspect_checkpoint, read_index
 from portatrain.checkpoint.discovery import read_trainer_state as read_trainer_state
+from portatrain.checkpoint.hf import load_hf_weights
 from portatrain.checkpoint.rotation import publish
 from portatrain.checkpoint.safe_metadata import safe_reader
 from portatrain.checkpoint.staging import AsyncSaves
@@ -97,6 +111,12 @@ class Checkpointer:
         """How the checkpoint of ``last_step`` was found finite: ``"saved"`` (the caller checked the
         state it handed to :meth:`save`) or ``"loaded"`` (:meth:`load` verified its checksums and
         finiteness); None when there is none."""
+        self.base: dict[str, str] | None = None
+        """The frozen base this run's checkpoints reference (``portatrain.checkpoint.base``): set by
+        the first save of a model with frozen parameters (written, or the hashed ``init_from``), or
+        by :meth:`load`; None for a model without frozen parameters."""
+        self._frozen: bool | None = None  # whether the model has frozen parameters (asked once)
+        self._loaded = False  # the weights came from a checkpoint, not from init_from
 
     def due(self, step: int) -> bool:
         """Whether ``checkpoint.every`` asks for a save after optimizer step ``step``."""
@@ -112,11 +132,15 @@ class Checkpointer:
         dataloader_state: Mapping[str, Any] | None,
         rng_state: Mapping[str, Any],
         config_yaml: str,
+        init_from: str | None = None,
     ) -> Path:
         """Write ``step_<step>`` atomically and drop checkpoints beyond the newest ``keep``.
 
         ``state`` is the JSON-able trainer state (counters, LR scheduler, recipe, model args...),
         the same on every rank; ``dataloader_state`` and ``rng_state`` are this rank's own.
+        ``init_from`` is the Hugging Face directory the run's weights were loaded from
+        (``model.init_from``), if any: a model with frozen parameters that did not resume from a
+        checkpoint references it as its base instead of writing one.
 
         The state given is always written, or a :class:`CheckpointError` is raised (on every rank):
         an existing ``step_<step>`` -- a broken one, or one left by a run that was rolled back to an
@@ -142,6 +166,7 @@ class Checkpointer:
                 dataloader_state=dataloader_state,
                 rng_state=rng_state,
                 config_yaml=config_yaml,
+                init_from=init_from,
             )
         finally:
             self.blocked_s += time.perf_counter() - start
@@ -178,10 +203,12 @@ class Checkpointer:
         dataloader_state: Mapping[str, Any] | None,
         rng_state: Mapping[str, Any],
         config_yaml: str,
+        init_from: str | None,
     ) -> Path:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        base = self._base_for(step, model, init_from)
         final = self.folder / f"step_{step:07d}"
         tmp = final.with_name(final.name + ".tmp")
         error: BaseException | None = None
@@ -195,7 +222,8 @@ class Checkpointer:
         if any_rank(error is not None):
             self._fail(step, final, tmp, error, {}, group=None)
 
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        # The frozen parameters are the base's (referenced below), not the step's.
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=trainable_options())
         rank = get_rank()
         tensors = {
             "model": model_sd,
@@ -219,6 +247,8 @@ class Checkpointer:
                 }
                 if sums is not None:
                     full_state["checksums"] = {"algorithm": ALGORITHM, "tensors": sums}
+                if base is not None:
+                    full_state["base"] = base
                 write_json(tmp / TRAINER_STATE, full_state)
                 (tmp / "config.yaml").write_text(config_yaml)
         except OSError as exc:  # disk full on this rank: still join the collective save below
@@ -241,6 +271,24 @@ class Checkpointer:
 
         saves.start(tensors, tmp, commit)
         return final
+
+    def _base_for(self, step: int, model: nn.Module, init_from: str | None) -> dict[str, str] | None:
+        """The base this save references (None: the model has no frozen parameters). The first save
+        of a run makes it: the ``init_from`` directory, hashed, when the weights came from there;
+        else the frozen parameters written to ``<folder>/base``. A base loaded by :meth:`load` is
+        kept when it is ``init_from`` or this run's own (another run's base is copied, once)."""
+        if self._frozen is None:
+            self._frozen = has_frozen_parameters(model)
+        own = str((self.folder / BASE_DIR).resolve())
+        if not self._frozen or (self.base is not None and self.base["kind"] == "init_from"):
+            return self.base if self._frozen else None
+        if self.base is not None and self.base["path"] == own:
+            return self.base
+        if init_from and not self._loaded:
+            self.base = init_from_reference(init_from)
+        else:
+            self.base = write_base(self.folder, step, model, is_main=self.is_main)
+        return self.base
 
     def _commit(
         self, step: int, final: Path, tmp: Path, error: BaseException | None, tensors: Any, *, group: Any
@@ -289,7 +337,7 @@ class Checkpointer:
         value is applied and logged (``config.yaml`` records what the run now uses).
         """
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
         path = Path(path)
         state, metadata = inspect_checkpoint(path)
@@ -298,7 +346,9 @@ class Checkpointer:
         # Read the loader state first: a missing or garbled file fails before any tensor is loaded.
         loader_state = _read_loader_state(path, rank if same_world else 0) if read_loader_state else None
 
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        has_base = "base" in state  # its frozen parameters are in the base it references
+        options = trainable_options() if has_base else None
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         _check_shapes(path, metadata, model_sd)
         tensors: dict[str, Any] = {"model": model_sd, "optim": optim_sd["state"]}
         rng_key = f"rng.rank{rank}."
@@ -307,6 +357,7 @@ class Checkpointer:
             tensors["rng"] = {f"rank{rank}": rng}
         param_groups = _current_param_groups(path, state["optimizer_param_groups"], optim_sd["param_groups"])
         saved_dtypes = _saved_dtypes(metadata)
+        base = _load_base(path, state, model)
         try:
             dcp.load(tensors, storage_reader=safe_reader(str(path)))
             # Before anything is handed to the optimizer: the content is what was saved, and finite.
@@ -321,12 +372,14 @@ class Checkpointer:
                 optimizer,
                 model_state_dict=tensors["model"],
                 optim_state_dict={"state": tensors["optim"], "param_groups": param_groups},
+                options=StateDictOptions(strict=not has_base),
             )
         except CheckpointError:
             raise
         except (Exception, dcp.CheckpointException) as exc:  # the latter is a BaseException
             raise unreadable(path, exc) from None
         self.last_step, self.last_verified = int(state["step"]), "loaded"
+        self.base, self._loaded = base, True
         return state, loader_state, tensors.get("rng", {}).get(f"rank{rank}")
 
 
@@ -341,23 +394,69 @@ def load_model_weights(path: Path, model: nn.Module) -> dict[str, Any]:
     """Load only the model's weights from checkpoint ``path`` (resharded to the model's layout, checked
     against the checksums written at save time and for finiteness, like :meth:`Checkpointer.load`);
     returns its ``trainer_state.json``. For a model that is evaluated, not trained on: no optimizer."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
 
     path = Path(path)
     state, metadata = inspect_checkpoint(path)
-    model_sd = get_model_state_dict(model)
+    has_base = "base" in state  # its frozen parameters are in the base it references
+    model_sd = get_model_state_dict(model, options=trainable_options() if has_base else None)
     _check_shapes(path, metadata, model_sd)
-    saved_dtypes = _saved_dtypes(metadata)
+    _load_base(path, state, model)
+    _read_verified(path, metadata, {"model": model_sd}, state.get("checksums"))
+    set_model_state_dict(model, model_sd, options=StateDictOptions(strict=not has_base))
+    return state
+
+
+def _load_base(path: Path, state: Mapping[str, Any], model: nn.Module) -> dict[str, str] | None:
+    """Load ``model``'s frozen parameters from the base checkpoint ``path`` references, once its
+    SHA-256 is checked (``portatrain.checkpoint.base``); returns the reference, None for a checkpoint
+    that holds every tensor itself. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    reference = checked_reference(path, state)
+    if reference is None:
+        return None
+    base = Path(reference["path"])
+    if reference["kind"] == "init_from":
+        load_hf_weights(model, base, _family(path, state))
+        return reference
+    base_state, metadata = read_base_state(base), read_index(base)
+    frozen = frozen_state_dict(model)
+    _check_shapes(base, metadata, frozen)
+    _read_verified(base, metadata, {"model": frozen}, base_state.get("checksums"))
+    set_model_state_dict(model, frozen, options=StateDictOptions(strict=False))
+    return reference
+
+
+def _read_verified(path: Path, metadata: Any, tensors: dict[str, Any], recorded: Any) -> None:
+    """Read ``tensors`` from the DCP directory ``path``, then check them against the ``recorded``
+    checksums and for finiteness (``verify.verify_loaded``; collective)."""
+    import torch.distributed.checkpoint as dcp
+
     try:
-        dcp.load({"model": model_sd}, storage_reader=safe_reader(str(path)))
-        verify_loaded(path, flat_tensors({"model": model_sd}), state.get("checksums"), saved_dtypes)
-        set_model_state_dict(model, model_sd)
+        dcp.load(tensors, storage_reader=safe_reader(str(path)))
+        verify_loaded(path, flat_tensors(tensors), recorded, _saved_dtypes(metadata))
     except CheckpointError:
         raise
     except (Exception, dcp.CheckpointException) as exc:
         raise unreadable(path, exc) from None
-    return state
+
+
+def _family(path: Path, state: Mapping[str, Any]) -> Any:
+    """The ``ModelSpec`` of the family a checkpoint records (its Hugging Face names read its base)."""
+    from portatrain.models import SPECS
+
+    name = state.get("model_name", LEGACY_MODEL_NAME)
+    if name not in SPECS:
+        raise CheckpointError(
+            f"checkpoint {path}: model family {name!r} is not registered in this portatrain "
+            f"(known: {', '.join(SPECS)})"
+        )
+    return SPECS[name]
 
 
 def _read_loader_state(path: Path, rank: int) -> dict[str, Any] | None:

@@ -3,9 +3,9 @@
 - :func:`complete_checkpoints` -- the complete ``step_<N>`` directories of a run, oldest first;
 - :func:`read_trainer_state` -- a checkpoint's ``trainer_state.json``, with every key a resume
   reads present and of its JSON type, and its digest checked;
-- :func:`inspect_checkpoint` -- the trainer state plus DCP's index, read with the restricted
-  unpickler (``safe_metadata.py``), and every data file the index points into present and long
-  enough (a truncated save is caught before a tensor is read).
+- :func:`inspect_checkpoint` -- the trainer state plus DCP's index (:func:`read_index`: read with
+  the restricted unpickler of ``safe_metadata.py``, and every data file the index points into present
+  and long enough, so a truncated save is caught before a tensor is read).
 """
 
 from __future__ import annotations
@@ -95,9 +95,15 @@ def inspect_checkpoint(path: Path) -> tuple[dict[str, Any], Any]:
     """
     path = Path(path)
     state = read_trainer_state(path)
+    return state, read_index(path)
+
+
+def read_index(path: Path) -> Any:
+    """DCP's index of the DCP directory ``path`` (a checkpoint, or a run's frozen base), read with the
+    restricted unpickler, once every data file it points into is found present and long enough."""
     metadata = _read_dcp_metadata(path)
     _check_files(path, metadata)
-    return state, metadata
+    return metadata
 
 
 def _read_dcp_metadata(path: Path) -> Any:

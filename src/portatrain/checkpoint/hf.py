@@ -1,5 +1,7 @@
 """Hugging Face interop for checkpoints: ``model.init_from=DIR`` initializes a model from a local
-Hugging Face safetensors directory, each rank reading only the slices it holds.
+Hugging Face safetensors directory, each rank reading only the slices it holds
+(:func:`load_hf_weights`); :func:`read_hf_tensors` reads chosen tensors of one (the frozen base of a
+LoRA run that started from it: ``portatrain.checkpoint.base``).
 
 Family-agnostic: the key renaming and the config translation come from the family's
 :class:`~portatrain.models.spec.HFMapping` (``spec.hf``). The reverse direction (a checkpoint -> a
@@ -13,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from portatrain.checkpoint.common import CheckpointError, some
@@ -35,8 +38,6 @@ def load_hf_weights(model: nn.Module, hf_dir: str | Path, spec: ModelSpec) -> No
     Weights are cast to the model's dtype. A tied HF checkpoint (no ``lm_head.weight``) loaded
     into an untied model initializes the output projection from the embedding.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -84,15 +85,29 @@ def load_hf_weights(model: nn.Module, hf_dir: str | Path, spec: ModelSpec) -> No
     if ours is not None:
         _check_hf_args(config_file, spec, theirs, ours)
 
+    # LoRA adapters (finetune.method=lora) are not in the base model's files: they start from their init.
+    full = get_model_state_dict(model)
+    base = {k: v for k, v in full.items() if not is_adapter_key(k)}
+    state = read_hf_tensors(hf_dir, base, spec)
+    set_model_state_dict(model, state, options=StateDictOptions(strict=len(base) == len(full)))
+
+
+def read_hf_tensors(
+    hf_dir: str | Path, template: Mapping[str, torch.Tensor], spec: ModelSpec
+) -> dict[str, torch.Tensor]:
+    """``template``'s tensors (portatrain's names; plain tensors or this rank's DTensor shards) read
+    from the ``*.safetensors`` of ``hf_dir``, renamed by the family's mapping, cast to the template's
+    dtypes; a tied HF checkpoint (no ``lm_head.weight``) gives the head the embedding's weights."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    hf_dir = Path(hf_dir)
     reader = HuggingFaceStorageReader(str(hf_dir))
     try:
         metadata = reader.read_metadata()
     except Exception as exc:
         raise CheckpointError(f"model.init_from: cannot read the safetensors in {hf_dir}: {exc}") from None
-    # LoRA adapters (finetune.method=lora) are not in the base model's files: they start from their init.
-    full = get_model_state_dict(model)
-    state = spec.hf.to_hf({k: v for k, v in full.items() if not is_adapter_key(k)})
-    adapted = len(state) < len(full)
+    state = spec.hf.to_hf(dict(template))
     available = metadata.state_dict_metadata
     missing = [k for k in state if k not in available]
     untie = missing == ["lm_head.weight"] and "model.embed_tokens.weight" in available
@@ -119,7 +134,7 @@ def load_hf_weights(model: nn.Module, hf_dir: str | Path, spec: ModelSpec) -> No
         raise CheckpointError(
             f"model.init_from: reading {hf_dir} failed: {type(exc).__name__}: {exc}"
         ) from exc
-    set_model_state_dict(model, spec.hf.from_hf(state), options=StateDictOptions(strict=not adapted))
+    return spec.hf.from_hf(state)
 
 
 def _check_hf_args(config_file: Path, spec: ModelSpec, theirs: Any, ours: Any) -> None:
