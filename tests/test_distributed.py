@@ -7,7 +7,7 @@ are the single-device ones (no double division by the dp degree), so the losses 
 rounding. Tiny model, five steps: each run takes seconds. FSDP2 and the two "nodes" launch the
 unchanged ``portatrain`` command (the torchrun contract: run directory, output); the two-process
 layouts (TP, HSDP, compiled TP blocks) share one launch (``tests/launch_runs.py``: its processes
-import torch and join the group once).
+import torch and join the group once), and FSDP2 x TP of Llama and of Qwen 3 another, on four.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 
 from portatrain.trainer import Trainer
 from tests.conftest import ROOT, TINY, compose_config
-from tests.helpers import launch_runs, train_records
+from tests.helpers import fit, launch_runs, train_records
 
 pytestmark = pytest.mark.slow
 
@@ -121,20 +121,20 @@ def test_layouts_match_one_process(
 
 
 def test_fsdp2_x_tp2_on_four_processes_matches_one_process(tmp_path: Path, reference: list[dict]) -> None:
-    out = _torchrun(
-        ["--standalone", "--nproc-per-node=4"],
-        [
-            *COMMON,
-            "parallel.dp_shard=2",
-            "parallel.tp=2",
-            f"data.batch_size={GLOBAL_BATCH // 2}",
-            f"run_dir={tmp_path / 'run'}",
-            "checkpoint.enabled=false",
-        ],
-        cwd=tmp_path,
-    )
-    assert out.returncode == 0, _failure(out)
-    _assert_matches(train_records(tmp_path / "run"), reference)
+    """The debug Llama, and Qwen 3's tied debug model (one vocabulary-sharded matrix for both ends,
+    q/k norms over TP-sharded heads), in one four-process launch, each against one process."""
+    qwen3 = ["model=qwen3_debug", "trainer.steps=4"]
+    qwen3_single = tmp_path / "qwen3_single"
+    fit([*COMMON, *qwen3, f"data.batch_size={GLOBAL_BATCH}", "checkpoint.enabled=false"], qwen3_single)
+    layout = ["parallel.dp_shard=2", "parallel.tp=2", f"data.batch_size={GLOBAL_BATCH // 2}"]
+    runs = {
+        "llama": [*COMMON, *layout, "checkpoint.enabled=false"],
+        "qwen3": [*COMMON, *qwen3, *layout, "checkpoint.enabled=false"],
+    }
+    dirs = launch_runs(4, runs, tmp_path)
+    _assert_matches(train_records(dirs["llama"]), reference, what="llama fsdp2 x tp2")
+    qwen3_reference = train_records(qwen3_single)
+    _assert_matches(train_records(dirs["qwen3"]), qwen3_reference, steps=4, what="qwen3 fsdp2 x tp2")
 
 
 def test_compiled_blocks_with_tp_and_selective_checkpointing_match(
