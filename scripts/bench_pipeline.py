@@ -86,7 +86,6 @@ own compute is a fraction of a millisecond a block, far below the fixed cost."""
 
 
 def build_trainer(overrides: list[str], name: str):
-    import portatrain.trainer
     from portatrain.trainer import Trainer
 
     register_configs()
@@ -94,7 +93,6 @@ def build_trainer(overrides: list[str], name: str):
         cfg = compose("config", overrides=overrides)
     with open_dict(cfg):  # a fresh directory per launch (main makes it), one per run
         cfg.run_dir = os.path.join(os.environ["BENCH_PIPELINE_DIR"], name)
-    portatrain.trainer.destroy_distributed = lambda: None  # one process group for every run
     return Trainer(cfg)
 
 

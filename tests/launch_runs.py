@@ -2,7 +2,7 @@
 
 ``python -m torch.distributed.run --nproc-per-node=N tests/launch_runs.py RUNS.json``, where RUNS.json
 is a list of ``{"run_dir": ..., "overrides": [...]}``: each run is composed as the CLI composes it, trained
-by a Trainer, and closed; the process group stays up between runs (the last close tears it down).
+by a Trainer, and closed; the process group stays up between runs (torn down at exit).
 A run with ``"stop_at": N`` is asked to stop after step N (rank 0 asks, as a SIGTERM to one rank would):
 it saves and ends there, and a later run of the launch may resume it.
 ``tests.helpers.launch_runs`` runs it: the pipeline layouts and the conformance suite's FSDP2 runs of every
@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-import portatrain.trainer
 from portatrain.trainer import Trainer
 from portatrain.validate import validate
 from tests.helpers import compose_config
@@ -37,11 +36,7 @@ class StopAt(Trainer):
 
 def main(path: str) -> None:
     runs = json.loads(Path(path).read_text())
-    teardown = portatrain.trainer.destroy_distributed
-    portatrain.trainer.destroy_distributed = lambda: dist.barrier()  # keep the group between runs
-    for i, run in enumerate(runs):
-        if i == len(runs) - 1:
-            portatrain.trainer.destroy_distributed = teardown
+    for run in runs:  # the process group stays up between runs, torn down at exit (portatrain.train.runtime)
         cfg = compose_config(run["overrides"], run_dir=run["run_dir"])
         validate(cfg)
         if run.get("stop_at"):
@@ -56,6 +51,7 @@ def main(path: str) -> None:
             raise
         finally:
             trainer.close()
+            dist.barrier()  # every rank done with this run before the next starts
 
 
 if __name__ == "__main__":

@@ -24,8 +24,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("converters",),  # model converters applied on meta before parallelize (quantize.linear)
     # stages the trainer uses; the audit (static scan, runtime audit)
     ("compile", "losses", "optim", "profiling", "metrics", "checkpoint", "rundir", "audit"),
-    # what watches the training loop: non-finite steps, the logging window; lm-eval tasks on the model
-    ("nonfinite", "logwindow", "evaluation"),
+    # the training core as parts: runtime, model stage, optimizer step, train state, and what watches
+    # the loop (non-finite steps, the logging window, the logging step, compile warm-up)
+    ("train",),
+    ("evaluation",),  # lm-eval tasks on the model (its model is built by the train parts)
     ("trainer", "plan", "export"),  # the loop; the dry run; HF export
     ("dpo_trainer",),  # the trainer for finetune.method=dpo
     ("bench", "launch", "parity"),  # commands' engines built on the trainer / the layout; parity
@@ -146,3 +148,17 @@ def test_importing_a_sibling_through_the_package_is_no_cycle(tmp_path: Path) -> 
         "trainer.py": "",
     }
     assert layering_violations(_write(tmp_path, files), "pkg", [*SYNTHETIC_LAYERS, ("__init__",)]) == []
+
+
+def test_design_doc_names_every_module_and_package() -> None:
+    """docs/design.md's layout names every first-level module (``name.py``) and package (``name/``) of
+    ``src/portatrain``: the map stays true to the code."""
+    design = (SRC.parents[1] / "docs" / "design.md").read_text()
+    layout = design[design.index("src/portatrain/   one row per layer") : design.index("kernels/       how to")]
+    names = [
+        f"{p.name}/" if p.is_dir() else p.name
+        for p in sorted(SRC.iterdir())
+        if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and not p.name.startswith("__"))
+    ]
+    missing = [name for name in names if name not in layout]
+    assert not missing, f"docs/design.md's layout does not name {missing}"

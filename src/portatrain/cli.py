@@ -271,7 +271,12 @@ def _run(command: str, module: ModuleType, cfg: DictConfig, trainer_cls: type | 
     if cfg.dry_run:  # any command with dry_run=true plans instead of running
         module = load_command("plan")
     ctx = CommandContext(trainer_cls=trainer_cls, overrides=list(HydraConfig.get().overrides.task))
-    module.run(cfg, ctx)
+    try:
+        module.run(cfg, ctx)
+    finally:
+        from portatrain.distributed import destroy_distributed
+
+        destroy_distributed()  # the process group a command's runtime started (none: nothing to do)
 
 
 def _quiet_known_warnings() -> None:

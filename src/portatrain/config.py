@@ -238,6 +238,19 @@ class FinetuneConfig:
 
 
 @dataclass
+class SpikeGuardConfig:
+    """The loss-spike guard (``portatrain.train.spike``): off with ``window=0``."""
+
+    window: int = 0
+    """Applied steps whose global loss the guard remembers; a step is judged once the window is full."""
+    factor: float = 3.0
+    """A step whose loss exceeds ``factor`` x the window's median is a spike."""
+    action: str = "skip"
+    """``skip``: the spike's step is not applied (no update, in lockstep on every rank), counted and
+    logged as ``spike_skipped``."""
+
+
+@dataclass
 class TrainerConfig:
     steps: int = 300
     """Optimizer steps to train for."""
@@ -259,6 +272,8 @@ class TrainerConfig:
     on_nonfinite: str = "stop"
     """A step whose loss or gradient norm is NaN/inf: ``stop`` (raise before anything non-finite is
     saved; exit 2) or ``skip_step`` (leave weights and optimizer state as they were, count and log it)."""
+    spike_guard: SpikeGuardConfig = field(default_factory=SpikeGuardConfig)
+    """Skip steps whose loss spikes (see :class:`SpikeGuardConfig`)."""
     loss: str = "plain"
     """Next-token loss: ``plain`` (cross-entropy over the model's full logits, through the
     ``compute_loss`` hook) or ``chunked`` (``portatrain.losses``: the output projection and the loss

@@ -5,12 +5,12 @@ What changes, hook by hook:
 
 * data -- preference pairs read from ``data.dataset`` (a held-out ``data.eval_fraction`` of them
   evaluated), batched by :class:`~portatrain.finetune.dpo.PairLoader`;
-* after the weights are in place (initialized, ``model.init_from`` or a checkpoint) -- the reference
+* ``on_model_ready``, after the weights are in place (initialized, ``model.init_from`` or a checkpoint) -- the reference
   log-probabilities of every pair, computed once: with LoRA (``finetune.dpo.lora``) by the model with
   its adapters off, which is the base whatever the step, so a resumed run computes them again; for
   full DPO by the model as it starts, kept in ``<run_dir>/dpo_reference.safetensors`` for resumes,
   with a content checksum (``portatrain.checkpoint.verify``) that a resume checks before it trusts it;
-* ``train_step`` -- the DPO loss, a mean over the pairs of the global batch (every rank's sum over
+* ``train_step`` -- the DPO loss over the Trainer's optimizer step (``portatrain.train.step``), a mean over the pairs of the global batch (every rank's sum over
   the global pair count, as the language-model loss does with tokens); rewards, margin and accuracy
   logged beside it (``dpo/...``);
 * ``evaluate`` -- the same quantities over the held-out pairs (``eval_loss``, ``eval_dpo/...``).
@@ -58,7 +58,7 @@ class _PairData:
 class DPOTrainer(Trainer):
     """:class:`~portatrain.trainer.Trainer` for ``finetune.method=dpo`` (see the module docstring)."""
 
-    def _setup_data(self) -> None:
+    def setup_data(self) -> None:
         cfg = self.cfg
         chat = cfg.data.format == "chat"
         self.tokenizer = build_tokenizer(str(cfg.data.tokenizer))
@@ -72,6 +72,9 @@ class DPOTrainer(Trainer):
         self.data = _PairData(has_eval=bool(self.eval_pairs))
         self.train_documents, self.eval_documents = [], []
         self.train_loader = self._pair_loader(self.train_pairs, train=True)
+        # A resume's saved reference is checked before anything is loaded or written.
+        self.beta = float(cfg.finetune.dpo.beta)
+        self.reference = self._saved_reference()
 
     def _pair_loader(self, indices: list[int], *, train: bool) -> PairLoader:
         return PairLoader(
@@ -86,12 +89,9 @@ class DPOTrainer(Trainer):
             train=train,
         )
 
-    def _restore(self) -> None:
-        # A resume's saved reference is checked before anything is loaded or written.
-        saved = self._saved_reference()
-        super()._restore()
-        self.beta = float(self.cfg.finetune.dpo.beta)
-        self.reference = saved if saved is not None else self._new_reference()
+    def on_model_ready(self) -> None:
+        if self.reference is None:  # a new run, or LoRA's (its reference is the base: scored anew)
+            self.reference = self._new_reference()
 
     # -- the reference -----------------------------------------------------------------------
     def _new_reference(self) -> torch.Tensor:
@@ -189,13 +189,11 @@ class DPOTrainer(Trainer):
             (terms["loss"] / num_pairs).backward()
             for key, value in terms.items():
                 sums[key] = sums.get(key, 0.0) + value.detach()
-        grad_norm = self._clip_gradients()
-        grad_ok = torch.isfinite(grad_norm)
-        self.nonfinite.optimizer_step(self.optimizer, grad_ok)
-        self.nonfinite.count(self.step + 1, grad_ok, torch.isfinite(sums["loss"]))
-        self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
-        loss = sums.pop("loss") / num_pairs
+        # The shared step: replica-group averaging, clipping, the non-finite guard, post-step hooks.
+        loss = sums.pop("loss") / num_pairs  # this rank's share of the global mean
+        grad_norm = self.optimizer_step(self.model, step=self.step + 1, loss=loss)
+        if grad_norm is None:  # fault tolerance: a replica group failed during the step; fit() redoes it
+            return {"committed": False}
         return {
             "loss": loss,
             "grad_norm": grad_norm,

@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from portatrain.checkpoint import (
-    LEGACY_MODEL_NAME,
     CheckpointError,
     find_checkpoint,
     inspect_checkpoint,
@@ -45,7 +44,7 @@ from portatrain.dtypes import DTYPE_NAMES, DTYPES, dtype_problem
 from portatrain.errors import ConfigError
 from portatrain.finetune.lora import adapter_keys, save_peft_adapter
 from portatrain.finetune.lora import merge_lora as merge_lora_into
-from portatrain.models import SPECS
+from portatrain.train.build import checkpoint_spec
 
 logger = logging.getLogger(__name__)
 
@@ -119,20 +118,7 @@ def export_hf(
         )
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"export.out={out} already exists and is not empty; choose a new directory")
-    raw_args = state.get("model_args")
-    if not raw_args:
-        raise CheckpointError(
-            f"checkpoint {checkpoint}: trainer_state.json records no model architecture (a custom "
-            "build_model?); only checkpoints of a registered model family can be exported"
-        )
-    model_name = state.get("model_name", LEGACY_MODEL_NAME)
-    spec = SPECS.get(model_name)
-    if spec is None:
-        raise CheckpointError(
-            f"checkpoint {checkpoint}: model family {model_name!r} is not registered in this portatrain "
-            f"(known: {', '.join(SPECS)})"
-        )
-    args = spec.args_from_dict(raw_args)
+    spec, args = checkpoint_spec(checkpoint, state, what="exported")
 
     with torch.device("meta"):
         keys = list(spec.model_cls(args).state_dict())  # HF order: embedding, layers 0..n, norm, head

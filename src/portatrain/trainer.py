@@ -1,55 +1,21 @@
-"""The training loop, split into small hooks that research code overrides.
+"""The training loop, split into small hooks that research code overrides (the table of hooks and their
+contracts: docs/trainer.md): ``setup_data``, ``build_model``, ``compute_loss`` (a **sum** over the
+micro-batch's target tokens: the trainer divides by the step's count), ``forward_loss``,
+``forward_backward``, ``train_step``, ``evaluate``, ``evaluate_tasks``, ``warmup``, ``on_model_ready``,
+``on_step_end`` and ``on_eval_end``. Hooks that take a ``batch`` get it on the device with its
+``attn_mask`` (packed rows; with ``parallel.cp > 1`` this rank's shard and the callable that attends it
+over the whole row), so ``self.model(batch["input_ids"], positions=batch.get("positions"),
+attn_mask=batch.get("attn_mask"))`` works in every hook.
 
-Hooks (override in a subclass; each has one job):
-
-``build_model()``
-    Return the model. Called under ``torch.device("meta")``: construct, don't initialize.
-    The trainer then parallelizes it, materializes it on the device and calls ``init_weights()``.
-``compute_loss(logits, batch)``
-    Return the **sum** of per-token losses of one micro-batch over its ``labels != -100``
-    positions. The trainer divides by the number of target tokens in the whole optimizer step,
-    so gradient accumulation and padding never change the loss scale.
-    With ``trainer.loss=chunked`` (``portatrain.losses``) the loss is taken inside the model's
-    forward, chunk by chunk, and no full logits exist: this hook is then not called -- unless a
-    subclass overrides it, in which case the plain path runs so the override sees its logits.
-``forward_loss(batch)``
-    Forward one micro-batch and return its loss sum (the plain or the chunked path above).
-``forward_backward(batch, num_tokens)``
-    Forward one micro-batch, ``backward()`` its share of the step loss, return the loss sum (detached).
-``train_step(batches)``
-    One optimizer step over ``grad_accum`` micro-batches; returns metrics of the step (device
-    tensors under ``dp_sums``, each rank's share of a global mean, are summed over ranks and logged).
-``evaluate()``
-    Mean loss over ``trainer.eval_batches`` held-out batches.
-``evaluate_tasks()``
-    The lm-evaluation-harness tasks of ``trainer.eval_tasks`` (``portatrain.evaluation``), every
-    ``trainer.eval_tasks_every`` steps: ``{"eval/<task>/<metric>": value}``.
-``warmup()``
-    With ``compile.warmup``: compile every batch shape before step 1, then arm the recompile guard.
-``on_step_end(step, metrics)`` / ``on_eval_end(step, metrics)``
-    Callbacks after each optimizer step / evaluation (default: nothing).
-
-Hooks that take a ``batch`` get it on the device. For packed rows (``data.packing_attention=document``)
-the loader sends ``document_ids`` and the Trainer adds ``attn_mask``, built on the device
-(``portatrain.data.collate.with_attention_mask``), so ``self.model(batch["input_ids"],
-positions=batch.get("positions"), attn_mask=batch.get("attn_mask"))`` works in every hook. With
-``parallel.cp > 1`` the batch is already this rank's shard of the rows (``portatrain.parallel.context``)
-and ``attn_mask`` the callable that attends it over the whole row.
-
-Everything else (data, optimizer, schedule, metrics, checkpoints) is built from the config by
-the stages it names, one ``_setup_*`` step each; a subclass changes behaviour by overriding a hook,
-not by copying ``fit``. What watches the loop is an object of its own: the non-finite guard
-(``portatrain.nonfinite``: ``trainer.on_nonfinite``, the finiteness check before a save), the logging
-window (``portatrain.logwindow``: tokens, FLOPs and time between logging steps), the compile monitor
-(``portatrain.compile``), the stop-request watcher (``portatrain.checkpoint``).
+Everything else is built by the shared parts of ``portatrain.train`` -- the runtime (device, process
+group, mesh), the model stage (the family's runtime hooks, kernels, model converters, the parallel
+plan), one optimizer step, the train state a resume restores, and what watches the loop (the
+non-finite guard, the logging window and step, compile warm-up) -- one ``_setup_*`` step each.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import sys
-import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -57,101 +23,51 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 from torch import nn
-from tqdm import tqdm
 
-from portatrain.accelerators import Accelerator, resolve_accelerator
+from portatrain.accelerators import Accelerator
 from portatrain.audit.runtime import RuntimeAudit
-from portatrain.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    DamagedCheckpointError,
-    PreemptionWatcher,
-    load_dataloader_state,
-    load_hf_weights,
-    model_args_dict,
-    newest_usable,
-    read_trainer_state,
-    resolve_resume,
-    sigterm_interrupts,
-)
-from portatrain.checkpoint.common import broadcast_from_main
+from portatrain.checkpoint import PreemptionWatcher, load_hf_weights, model_args_dict, sigterm_interrupts
 from portatrain.compile import (
     CompileCache,
     CompileMonitor,
     block_compiler,
     compile_granularity,
     compile_model,
-    warmup_batches,
 )
 from portatrain.config import Config
 from portatrain.converters import build_converters
-from portatrain.data.collate import with_attention_mask
-from portatrain.data.loader import batch_shapes, build_collator, build_dataloader
 from portatrain.data.pipeline import build_data
-from portatrain.distributed import destroy_distributed, dist_info_from_env, init_distributed
-from portatrain.dtypes import dtype_from_name
 from portatrain.evaluation.tasks import task_names
-from portatrain.fault_tolerance import (
-    ReplicaGroups,
-    data_slice,
-    load_module_state,
-    load_optimizer_state,
-    module_state,
-    optimizer_state,
-    replica_run_dir,
-)
-from portatrain.finetune import uses_lora
-from portatrain.finetune.lora import apply_lora, init_lora, lora_state
-from portatrain.kernels import apply as apply_kernels
+from portatrain.fault_tolerance import ReplicaGroups
 from portatrain.kernels import resolve as resolve_kernels
-from portatrain.logwindow import LoggingWindow
 from portatrain.losses import chunked_loss_fn, cross_entropy_sum
-from portatrain.metrics import (
-    MetricsLogger,
-    checkpoint_metrics,
-    memory_metrics,
-    model_flops,
-    peak_covering,
-    progress_postfix,
-    resolve_peak_flops,
-    throughput_metrics,
-)
-from portatrain.models import build_model, get_spec, moe_dispatch
-from portatrain.models.common.moe import balanced_routers, configure_moe, routing_stats, update_expert_bias
-from portatrain.nonfinite import NONFINITE_MODES, NonFiniteError, NonFiniteGuard
+from portatrain.metrics import model_flops, resolve_peak_flops
+from portatrain.models import build_model, get_spec
 from portatrain.optim import build_lr_scheduler, build_optimizer
-from portatrain.parallel import (
-    ParallelDims,
-    build_pipeline,
-    clip_grad_norm_,
-    dp_all_reduce,
-    full_tensor_init,
-    parallelize_model,
-    token_all_reduce,
-)
-from portatrain.parallel.context import ContextParallel
+from portatrain.parallel import parallelize_model, token_all_reduce
 from portatrain.profiling import StepProfiler
 from portatrain.redact import redacted_yaml
-from portatrain.rundir import (
-    RunDirLock,
-    RunDirLockedError,
-    RunDirNotWritableError,
-    check_shared_run_dir,
-    lock_run_dir,
-)
+from portatrain.train.build import build_model as build_model_stage
+from portatrain.train.build import initialize, runtime_options
+from portatrain.train.logwindow import LoggingWindow
+from portatrain.train.nonfinite import NONFINITE_MODES, NonFiniteError
+from portatrain.train.progress import StepLog
+from portatrain.train.rundir import RunDir, open_run_dir
+from portatrain.train.runtime import build_runtime
+from portatrain.train.services import build_checkpointer, build_metrics, build_nonfinite_guard
+from portatrain.train.spike import SpikeGuard
+from portatrain.train.state import TrainState, join_replica_groups
+from portatrain.train.step import OptimizerStep
+from portatrain.train.warmup import compile_warmup
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["NONFINITE_MODES", "NonFiniteError", "Trainer"]  # the guard's names, where they always were
 
 
-class _StopDuringWarmup(Exception):
-    """A stop request (SIGTERM/SIGINT) arrived between compile warm-up shapes."""
-
-
 class Trainer:
     def __init__(self, cfg: Config, accelerator: Accelerator | None = None) -> None:
-        self._run_dir_lock: RunDirLock | None = None
+        self._run_dir: RunDir | None = None
         self._data_iter: Any = None  # fit()'s batch iterator, closed by close() (its prefetch thread)
         self.replica_groups: ReplicaGroups | None = None  # fault_tolerance.enabled: set up last
         try:
@@ -166,67 +82,31 @@ class Trainer:
     def _setup(self, cfg: Config, accelerator: Accelerator | None) -> None:
         """Build every stage the config names, in order; each step below is one stage."""
         self.cfg = cfg
-        self.spec = get_spec(cfg.model.name)  # the model family: parallel plan, HF mapping
-        self._setup_distributed(accelerator)
-        self._setup_run_dir()
+        self.spec = get_spec(cfg.model.name)  # the model family: parallel plan, HF mapping, hooks
+        # The device, the process group and the layout (checked against the world size first).
+        rt = self.runtime = build_runtime(cfg, accelerator)
+        self.dist, self.accelerator, self.parallel_dims = rt.dist, rt.accelerator, rt.parallel_dims
+        self.device, self.dtype, self.context_parallel = rt.device, rt.dtype, rt.context_parallel
+        self.dp_rank, self.dp_world_size = rt.dp_rank, rt.dp_world_size
+        # Before anything is built or written: the run directory (exclusive, writable, shared by the
+        # ranks) and the checkpoint to resume in it.
+        self._run_dir = open_run_dir(cfg, self.dist)
+        self.run_dir, self.resume_from = self._run_dir.path, self._run_dir.resume_from
         self.accelerator.manual_seed(cfg.trainer.seed)
         if cfg.trainer.deterministic:
             torch.use_deterministic_algorithms(True)
-        self._setup_data()
+        self.setup_data()
         self._setup_model()
         self._setup_optimization()
         self._setup_run_services()
         self._restore()
-        self._setup_replica_groups()
+        # fault_tolerance.enabled: the replica groups, joined at the restored step; the step averages over them.
+        groups = join_replica_groups(cfg.fault_tolerance, self.state, rt)
+        self.replica_groups = self.optimizer_step.replica_groups = groups
 
-    def _setup_distributed(self, accelerator: Accelerator | None) -> None:
-        """The device, the process group and the parallel layout (checked against the world size
-        before anything is built: ``ConfigError``)."""
-        cfg = self.cfg
-        self.dist = dist_info_from_env()
-        index = cfg.device.index if cfg.device.index is not None else self.dist.local_rank
-        self.accelerator = accelerator or resolve_accelerator(cfg.device.type, index)
-        self.accelerator.set_device()
-        self.parallel_dims = ParallelDims.from_config(cfg.parallel, world_size=self.dist.world_size)
-        init_distributed(self.accelerator, self.dist)
-        self.device = self.accelerator.device
-        self.dtype = (
-            self.accelerator.default_dtype
-            if cfg.trainer.dtype == "auto"
-            else dtype_from_name(cfg.trainer.dtype)
-        )
-        self.parallel_dims.build_mesh(self.accelerator.device_type)
-        # The ranks that read different rows: this job's, or with fault tolerance every replica group's.
-        self.dp_rank, self.dp_world_size = data_slice(
-            cfg.fault_tolerance, self.parallel_dims.dp_rank, self.parallel_dims.dp
-        )
-        # parallel.cp > 1: full-length rows from the loader, cut into this rank's shard on the device.
-        dims = self.parallel_dims
-        self.context_parallel = ContextParallel.from_mesh(dims.cp_mesh) if dims.cp_enabled else None
-
-    def _setup_run_dir(self) -> None:
-        """Before anything is built or written: take the run directory (exclusive, and writable), find
-        the checkpoint to resume, refuse another run's directory."""
-        cfg = self.cfg
-        self.run_dir = replica_run_dir(cfg.fault_tolerance, Path(cfg.run_dir))  # one per replica group
-        self._run_dir_lock = self._lock_run_dir()
-        # Every rank sees rank 0's run directory, or all stop here (a first save would hang).
-        check_shared_run_dir(self.run_dir)
-        self.resume_from = resolve_resume(
-            cfg.checkpoint.resume, self.run_dir / "checkpoints", recipe=cfg.recipe
-        )
-        if self.resume_from is not None:
-            saved_step = int(read_trainer_state(self.resume_from)["step"])
-            if saved_step > cfg.trainer.steps:
-                raise CheckpointError(
-                    f"checkpoint {self.resume_from} is at step {saved_step}, past trainer.steps="
-                    f"{cfg.trainer.steps}: there is nothing left to train. Set trainer.steps>{saved_step} "
-                    "to train on (the LR schedule is recomputed for the new length), or resume from an "
-                    "earlier step_* directory"
-                )
-
-    def _setup_data(self) -> None:
-        """The data stage: a prepared corpus streams (train_documents stay empty), else in memory."""
+    def setup_data(self) -> None:
+        """The data stage (a hook): the tokenizer and the loaders. A prepared corpus streams
+        (train_documents stay empty), else the documents are in memory."""
         cfg = self.cfg
         self.data = build_data(
             cfg.data, seed=cfg.trainer.seed, dp_rank=self.dp_rank, dp_world_size=self.dp_world_size
@@ -236,7 +116,8 @@ class Trainer:
         self.train_loader = self.build_dataloader(self.train_documents, train=True)
 
     def _setup_model(self) -> None:
-        """Build the model on meta, swap in kernels, parallelize, materialize on the device."""
+        """The model stage (``portatrain.train.build``): meta -> the family's hooks, kernels and model
+        converters -> parallelize (or pipeline stages) -> materialize on the device."""
         cfg = self.cfg
         # Before anything compiles: compiled graphs persist under the run dir (compile.cache).
         self.compile_cache = CompileCache.for_run(
@@ -244,57 +125,26 @@ class Trainer:
         )
         if self.compile_cache is not None:
             self.compile_cache.activate()
-        with torch.device("meta"):
-            model = self.build_model()
-        # Mixture-of-experts layers (none in a dense model): the dispatch the device wants
-        # (model.moe_dispatch=auto: fixed-capacity slots where the compiler wants static shapes) and
-        # the load-balancing loss over the global batch (statistics summed over the data-parallel
-        # ranks), a mean over the step's micro-batches.
-        configure_moe(
-            model,
-            dispatch=moe_dispatch(cfg.model, static_shapes=self.accelerator.static_shapes),
-            capacity_factor=cfg.model.capacity_factor,
-            aux_loss_scale=1.0 / cfg.trainer.grad_accum,
-            reduce_stats=partial(token_all_reduce, parallel_dims=self.parallel_dims)
-            if self.parallel_dims.dp > 1 or self.context_parallel is not None
-            else None,
-            supports_grouped_mm=self.accelerator.supports_grouped_mm,
-        )
-        # Routers balanced by a bias moved after each optimizer step (DeepSeek-V3), if any.
-        self._balanced_routers = balanced_routers(model)
-        # Kernel overrides (kernels.enabled), resolved once and swapped into the model's op slots
-        # before parallelize, so compiled blocks trace each kernel as one custom op.
         self.kernels = resolve_kernels(cfg.kernels.enabled, self.accelerator.device_type)
-        apply_kernels(model, self.kernels)
-        # Model converters (portatrain.converters: quantize.linear), on meta, before parallelize.
         self.converters = build_converters(cfg, self.accelerator, self.parallel_dims)
-        self.converters.convert(model)
-        # finetune.method=lora (or dpo with lora): the layers LoRA adapts, set while parallelizing.
-        self.lora_modules: list[str] = []
-        # Pipeline parallel (parallel.pp > 1): this rank's stages, each parallelized and materialized as
-        # a whole model is; self.model then holds their parameters under the unsplit model's names.
-        self.pipeline = None
-        if self.parallel_dims.pp_enabled:
-            self.pipeline = build_pipeline(
-                model,
-                self.parallel_dims,
-                cfg.parallel,
-                device=self.device,
-                prepare=lambda part: self._materialize(self.parallelize(part)),
-                autocast=self._autocast,
-            )
-            self.model = self.pipeline.model
-        else:
-            self.model = self._materialize(self.parallelize(model))
-        # MFU = the architecture's FLOPs per real token over the device's peak (CPU: measured, cached).
-        self.flops_per_token = getattr(model, "flops_per_token", None)
+        built = build_model_stage(
+            self.runtime,
+            self.spec,
+            runtime_options(cfg.model, self.runtime, grad_accum=cfg.trainer.grad_accum),
+            construct=self.build_model,
+            parallelize=self.parallelize,
+            materialize=self._materialize,
+            converters=self.converters,
+            kernels=self.kernels,
+            parallel=cfg.parallel,
+        )
+        self.model, self.pipeline, self.model_hooks = built.model, built.pipeline, built.hooks
+        self.flops_per_token = built.flops_per_token  # MFU: FLOPs per real token over the device's peak
 
     def _setup_optimization(self) -> None:
-        """Optimizer, gradient clipping, the loss path and the LR schedule."""
+        """Optimizer, the loss path, the LR schedule and the train state a resume restores."""
         cfg = self.cfg
         self.optimizer = build_optimizer(self.model, cfg.optim, fused=self.accelerator.fused_adamw)
-        # Read here, not per step: a DictConfig attribute read costs ~10 us.
-        self._max_grad_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         # trainer.loss=chunked: positions per chunk, or None for the plain loss. An overridden
         # compute_loss keeps the plain path: its contract hands it the full logits.
         self._loss_chunk_size = (
@@ -305,48 +155,39 @@ class Trainer:
         if self.pipeline is not None:
             self.pipeline.configure_loss(self.compute_loss, self._loss_chunk_size, chunked_loss_fn)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optim, cfg.trainer.steps)
+        self.state = TrainState(
+            self.model, self.optimizer, self.lr_scheduler, self.train_loader, self.accelerator
+        )
 
     def _setup_run_services(self) -> None:
-        """What watches the loop: checkpoints, the non-finite guard, stop requests, metrics, the
-        logging window, compilation and the runtime audit."""
-        cfg = self.cfg
-        self.checkpointer = Checkpointer(
-            self.run_dir / "checkpoints",
-            keep=cfg.checkpoint.keep,
-            every=cfg.checkpoint.every,
-            is_main=self.dist.is_main,
-            async_mode=cfg.checkpoint.async_mode,
-            pinned_staging=self.accelerator.synchronize if self.accelerator.pinned_staging else None,
+        """What watches the loop: checkpoints, the non-finite guard and the optimizer step it guards,
+        stop requests, metrics, the logging window, compilation and the runtime audit."""
+        cfg, rt = self.cfg, self.runtime
+        self.checkpointer = build_checkpointer(cfg, rt, self.run_dir)
+        self.nonfinite = build_nonfinite_guard(cfg, rt, self.checkpointer)
+        self.optimizer_step = OptimizerStep(
+            self.optimizer,
+            self.lr_scheduler,
+            grad_clip=cfg.optim.grad_clip,
+            pp_mesh=self.parallel_dims.pp_mesh if self.parallel_dims.pp_enabled else None,
+            guard=self.nonfinite,
+            # e.g. FP8 weight scales for the next all-gather; DeepSeek-V3's router bias
+            post_step=[
+                lambda ok: self.converters.post_optimizer_step(self.model),
+                self.model_hooks.post_optimizer_step,
+            ],
+            spike_guard=SpikeGuard.build(cfg.trainer.spike_guard, self.device),  # trainer.spike_guard
+            global_sum=partial(token_all_reduce, parallel_dims=self.parallel_dims),
         )
-        # Non-finite steps: counted on the device every step, read at the logging sync and before
-        # every save (no extra host sync); see portatrain.nonfinite.
-        self.nonfinite = NonFiniteGuard(
-            cfg.trainer.on_nonfinite,
-            device=self.device,
-            all_reduce_sum=self._all_reduce_sum,
-            dp_world_size=self.parallel_dims.dp,  # the ranks its counts are summed over
-            checkpointer=self.checkpointer,
-            is_main=self.dist.is_main,
-            lr=cfg.optim.lr,
-        )
+        if self.optimizer_step.spike_guard is not None:  # its window resumes with the run
+            self.state.parts["spike_guard"] = self.optimizer_step.spike_guard
         self.preemption = PreemptionWatcher()
         self.preempted = False
-        self.metrics = MetricsLogger(
-            self.run_dir,
-            enabled=self.dist.is_main,
-            jsonl=cfg.metrics.jsonl,
-            tensorboard=cfg.metrics.tensorboard,
-            wandb=cfg.metrics.wandb,
-            mlflow=cfg.metrics.mlflow,
-            config=cfg,  # redacted before any tracker sees it
-            resumed=self.resume_from is not None,  # continue the trackers' runs too
-        )
+        self.metrics = build_metrics(cfg, rt, self.run_dir, resumed=self.resume_from is not None)
         self.peak_flops, self.peak_flops_source = resolve_peak_flops(
             self.accelerator, self.dtype, cfg.metrics.peak_tflops
         )
         self.window = LoggingWindow()  # tokens, FLOPs and time since the last logged step
-        self.step = 0
-        self.tokens_seen = 0
         # graph counts, recompile guard; saves the compile cache after steps that compiled
         self.compile_monitor = CompileMonitor(cfg.compile, cache=self.compile_cache)
         # audit.runtime / audit.nonfinite (portatrain.audit.runtime); off by default, free when off.
@@ -362,55 +203,19 @@ class Trainer:
             self.load_checkpoint(self.resume_from)
         elif self.cfg.model.init_from:
             load_hf_weights(self.model, self.cfg.model.init_from, self.spec)
+        self.on_model_ready()
         # Secrets (tokens, keys, passwords) are redacted in every config written to disk.
         if self.dist.is_main:
             (self.run_dir / "config.yaml").write_text(redacted_yaml(self.cfg))
 
-    def _setup_replica_groups(self) -> None:
-        """``fault_tolerance.enabled``: join the replica groups (``portatrain.fault_tolerance``), at the
-        step restored above; else ``self.replica_groups`` is None."""
-        if not self.cfg.fault_tolerance.enabled:
-            return
-        self.replica_groups = ReplicaGroups(
-            self.cfg.fault_tolerance,
-            device_type=self.accelerator.device_type,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
-            state_dict=self._replica_state,
-            load_state_dict=self._load_replica_state,
-            broadcast=broadcast_from_main,
-            step=self.step,
-        )
+    # The train state's counters (portatrain.train.state), where subclasses and commands read them.
+    step = property(lambda self: self.state.step, lambda self, v: setattr(self.state, "step", v))
+    tokens_seen = property(
+        lambda self: self.state.tokens_seen, lambda self, v: setattr(self.state, "tokens_seen", v)
+    )
 
-    def _replica_state(self) -> dict[str, Any]:
-        """What a healthy replica group sends a recovering one: this rank's shard of everything a
-        resume restores (model, optimizer, LR schedule, counters, data position, RNG)."""
-        return {
-            "model": module_state(self.model),
-            "optimizer": optimizer_state(self.optimizer),
-            "lr_scheduler": self.lr_scheduler.state_dict(),
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "data": self.train_loader.state_dict(),
-            "rng": self.accelerator.get_rng_state(),
-        }
-
-    def _load_replica_state(self, state: dict[str, Any]) -> None:
-        """Apply a healthy group's :meth:`_replica_state` (live recovery); ``fit`` then restarts its
-        data iterator at the loaded position."""
-        load_module_state(self.model, state["model"])
-        load_optimizer_state(self.optimizer, state["optimizer"])
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-        load_dataloader_state(
-            self.train_loader, state["data"], Path(f"<a healthy replica group, step {self.step}>")
-        )
-        self.accelerator.set_rng_state(state["rng"])
-
-    @property
-    def nonfinite_skipped(self) -> int:
-        """Steps skipped for a non-finite loss or gradient norm so far (``on_nonfinite=skip_step``)."""
-        return self.nonfinite.skipped
+    # Steps skipped for a non-finite loss or gradient norm so far (trainer.on_nonfinite=skip_step).
+    nonfinite_skipped = property(lambda self: self.nonfinite.skipped)
 
     # -- hooks -----------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
@@ -419,10 +224,10 @@ class Trainer:
         return build_model(self.cfg.model, vocab_size=self.tokenizer.vocab_size)
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        """Apply TP -> activation checkpointing -> compile -> FSDP2 to the meta model, per the model
-        family's plan (``spec.parallelize``) and ``cfg.parallel`` (one process: checkpointing/compile
-        only). With ``compile.granularity=model`` or ``nested`` the whole model is compiled last
-        (``portatrain.compile``)."""
+        """Apply TP -> model converters' ``adapt`` (LoRA) -> activation checkpointing -> compile -> FSDP2
+        to the meta model, per the model family's plan (``spec.parallelize``) and ``cfg.parallel`` (one
+        process: checkpointing/compile only). With ``compile.granularity=model`` or ``nested`` the whole
+        model is compiled last (``portatrain.compile``)."""
         dims = self.parallel_dims
         granularity = compile_granularity(self.cfg.compile, sharded=dims.fsdp_enabled or dims.tp_enabled)
         model = parallelize_model(
@@ -432,15 +237,11 @@ class Trainer:
             self.cfg.parallel,
             compile_block=block_compiler(self.cfg.compile, self.accelerator, granularity),
             compute_dtype=self.dtype,
-            adapt=self._add_lora if uses_lora(self.cfg.finetune) else None,
+            adapt=self.converters.adapter(),
         )
         if self.cfg.compile.enabled and granularity != "block":
             compile_model(model, self.cfg.compile, self.accelerator, granularity)
         return model
-
-    def _add_lora(self, model: nn.Module) -> None:
-        """Freeze the model and add LoRA adapters (``portatrain.finetune.lora``), after tensor parallel."""
-        self.lora_modules = apply_lora(model, self.cfg.finetune.lora)
 
     def compute_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Sum of next-token cross-entropy over positions whose label is not -100."""
@@ -478,24 +279,13 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for batch in batches:
             loss_sum += self.forward_backward(self._to_device(batch), num_tokens)
-        if self.replica_groups is not None:  # fault tolerance: averaged over the replica groups too
-            self.replica_groups.average_gradients(self.model.parameters())
-        grad_norm = self._clip_gradients()
-        if self.replica_groups is not None and not self.replica_groups.should_commit():
-            # A replica group failed during the step, or too few took part: nothing is applied, and
-            # fit() redoes the step with the next batches.
-            self.optimizer.zero_grad(set_to_none=True)
+        loss = loss_sum / num_tokens  # this rank's share of the global mean
+        grad_norm = self.optimizer_step(self.model, step=self.step + 1, loss=loss)
+        if grad_norm is None:  # fault tolerance: a replica group failed during the step; fit() redoes it
             return {"committed": False}
-        # The gradient norm is global (all ranks agree on it); the loss is this rank's.
-        grad_ok = torch.isfinite(grad_norm)  # the same on every rank: skipping stays in lockstep
-        self.nonfinite.optimizer_step(self.optimizer, grad_ok)
-        self.converters.post_optimizer_step(self.model)  # e.g. FP8 weight scales for the next all-gather
-        update_expert_bias(self._balanced_routers, grad_ok)
-        self.nonfinite.count(self.step + 1, grad_ok, torch.isfinite(loss_sum))  # before self.step += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
         # Tensors stay on the device; fit() reads them only on logging steps (no per-step host sync).
-        return {"loss": loss_sum / num_tokens, "grad_norm": grad_norm, "tokens": local_tokens}
+        # The gradient norm is global (all ranks agree on it); the loss is this rank's.
+        return {"loss": loss, "grad_norm": grad_norm, "tokens": local_tokens}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -515,96 +305,21 @@ class Trainer:
         return {"eval_loss": (loss_sum / count.clamp(min=1)).item()}
 
     def evaluate_tasks(self) -> dict[str, float]:
-        """Run ``trainer.eval_tasks`` with lm-eval on the model as it is (every rank takes part, each
-        over every request; the metrics come back on local rank 0, ``{}`` elsewhere); the random
-        states are left as they were."""
-        from portatrain.evaluation import flat_metrics, run_tasks
-        from portatrain.evaluation.model import eval_mode, harness_lm
+        """Run ``trainer.eval_tasks`` with lm-eval on the model as it is (every rank takes part; the
+        metrics come back on local rank 0, ``{}`` elsewhere); the random states are left as they were."""
+        from portatrain.evaluation.model import evaluate_model_tasks
 
-        lm = harness_lm(
-            self.model,
-            self.tokenizer,
-            self.cfg.eval,
-            device=self.device,
-            dtype=self.dtype,
-            tp=self.parallel_dims.tp,
-            progress=False,
-        )
-        rng = self.accelerator.get_rng_state()
-        with eval_mode(self.model):
-            results = run_tasks(lm, self.eval_task_names, self.cfg.eval, bootstrap_iters=0, quiet=True)
-        self.accelerator.set_rng_state(rng)
-        metrics = flat_metrics(results)
-        if self.dist.is_main:
-            logger.info("step %d: %s", self.step, "  ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
-        return metrics
+        args = (self.model, self.tokenizer, self.eval_task_names, self.cfg.eval, self.runtime)
+        return evaluate_model_tasks(*args, step=self.step)
 
     def warmup(self) -> list[dict[str, Any]]:
-        """Compile every shape of ``batch_shapes(cfg.data)`` before step 1 and arm the recompile guard.
+        """Compile every shape of ``batch_shapes(cfg.data)`` before step 1 and arm the recompile guard
+        (``portatrain.train.warmup``); returns per-shape cold-start times."""
+        return compile_warmup(self)
 
-        Runs :meth:`forward_backward` (and, when evaluation is on, an eval-mode ``no_grad`` forward)
-        on a synthetic batch of each shape whose every label is valid. The optimizer does not step,
-        gradients are cleared and the RNG state restored: training then sees the same weights, data
-        and randomness as without warm-up. Returns per-shape cold-start times (logged and written
-        to the metrics). See ``portatrain.compile``.
-        """
-        rng, start = self.accelerator.get_rng_state(), time.perf_counter()
-        batches = warmup_batches(
-            build_collator(self.cfg.data, pad_id=self.tokenizer.pad_id),  # the loader's collator
-            batch_shapes(self.cfg.data),
-            packed=self.cfg.data.collator == "packing",
-            vocab_size=self.tokenizer.vocab_size,
-        )
-
-        def train(batch: dict[str, torch.Tensor]) -> None:
-            # Compiling one shape can take tens of seconds: look for a stop request (SIGTERM, Ctrl-C)
-            # before each, so a preempted job saves within the scheduler's grace period.
-            if self.preemption.should_stop():
-                raise _StopDuringWarmup
-            self.forward_backward(batch, (batch["labels"] != -100).sum().float())
-
-        @torch.no_grad()
-        def evaluate(batch: dict[str, torch.Tensor]) -> None:
-            self.model.eval()
-            if self.pipeline is not None:  # the schedule's forward-only pass
-                self.forward_loss(batch)
-            else:
-                with self._autocast():
-                    self.model(
-                        batch["input_ids"], positions=batch.get("positions"), attn_mask=batch.get("attn_mask")
-                    )
-            self.model.train()
-
-        try:
-            records = self.compile_monitor.warm_up(
-                [self._to_device(b) for b in batches],
-                train=train,
-                evaluate=evaluate if self.cfg.trainer.eval_every and self.data.has_eval else None,
-                synchronize=self.accelerator.synchronize,
-            )
-        except _StopDuringWarmup:
-            self.preempted = True  # agreed by every rank (should_stop); fit() trains no step
-            self.optimizer.zero_grad(set_to_none=True)
-            self.accelerator.set_rng_state(rng)
-            logger.warning(
-                "stop requested during compile warm-up (after %.1f s)", time.perf_counter() - start
-            )
-            return []
-        self.optimizer.zero_grad(set_to_none=True)
-        # Forget the synthetic batches' expert assignments (as a skipped step would: bias unchanged).
-        update_expert_bias(self._balanced_routers, torch.zeros((), dtype=torch.bool, device=self.device))
-        self.accelerator.set_rng_state(rng)
-        total = round(time.perf_counter() - start, 3)
-        logger.info("compile warm-up: %d shape(s) in %.1f s", len(records), total)
-        self.metrics.log(
-            {
-                "step": self.step,
-                "compile_warmup": records,
-                "compile_warmup_s": total,
-                **self.compile_monitor.metrics(),
-            }
-        )
-        return records
+    def on_model_ready(self) -> None:
+        """Called once the weights are in place (initialized, ``model.init_from`` or a resumed
+        checkpoint), before the run's config is written and training starts (default: nothing)."""
 
     def on_step_end(self, step: int, metrics: dict[str, Any]) -> None:
         """Called after every optimizer step with that step's metrics (device tensors where cheap;
@@ -614,22 +329,11 @@ class Trainer:
         """Called after every evaluation."""
 
     # -- data ------------------------------------------------------------------------------
-    def build_dataloader(self, documents: list[list[int]], *, train: bool):
+    def build_dataloader(self, documents: list[list[int]], *, train: bool):  # noqa: ANN201
         """This rank's loader: over ``documents`` in memory, or the prepared corpus's stream."""
         if self.data.streaming:
             return self.data.train_loader() if train else self.data.eval_loader()
-        data_cfg = self.cfg.data
-        if not train:
-            data_cfg = OmegaConf.merge(data_cfg, {"sampler": "sequential", "last_batch": "pad"})
-        return build_dataloader(
-            data_cfg,
-            documents,
-            pad_id=self.tokenizer.pad_id,
-            seed=self.cfg.trainer.seed,
-            dp_rank=self.dp_rank,
-            dp_world_size=self.dp_world_size,
-            infinite=train,
-        )
+        return self.data.memory_loader(documents, train=train)
 
     # -- loop ------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -639,7 +343,7 @@ class Trainer:
             # A plain dataclass copy: the loop reads it every step; a DictConfig read costs ~10 us.
             cfg = OmegaConf.to_object(cfg)
         data_iter = self._data_iter = iter(self.train_loader)
-        bar = self._progress_bar(cfg)
+        log = StepLog(self)  # the progress bar, the logging steps
         profiler = StepProfiler(
             self.cfg.profile,
             self.run_dir / "profile",
@@ -647,11 +351,8 @@ class Trainer:
             activities=self.accelerator.profiler_activities(),
             worker_name=f"rank{self.dist.rank}",
         )
-        checkpointing = self.cfg.checkpoint.enabled  # read once, not per step
         last: dict[str, Any] = {}
-        # SIGTERM / Ctrl-C: save at the next step boundary (when checkpointing), then stop.
-        self.preemption.install()
-        self._fit_started = time.perf_counter()  # checkpoint_blocked_frac's wall time
+        self.preemption.install()  # SIGTERM / Ctrl-C: save at the next step boundary, then stop
         self.window.reset()
         if self.cfg.compile.enabled and self.cfg.compile.warmup and self.step < cfg.steps:
             self.warmup()
@@ -663,7 +364,7 @@ class Trainer:
                 # Healed from a healthy replica group: its step, data position and RNG are ours now.
                 self._close_data_iter()
                 data_iter = self._data_iter = iter(self.train_loader)
-                bar.update(self.step - bar.n)
+                log.bar.update(self.step - log.bar.n)
                 if self.step >= cfg.steps:
                     break
             self.runtime_audit.step_begin(self.step + 1)
@@ -679,29 +380,12 @@ class Trainer:
             self.on_step_end(self.step, metrics)
             profiler.step()
             stop = self.preemption.should_stop()  # agreed by all ranks
-            save_now = checkpointing and (stop or self.checkpointer.due(self.step))
-            if self.step % cfg.log_every == 0 or self.step == cfg.steps or save_now:
-                last = self._log_step(metrics, bar)
-            if (
-                cfg.eval_every
-                and (self.step % cfg.eval_every == 0 or self.step == cfg.steps)
-                and self.data.has_eval
-            ):
-                last.update(self._evaluate_and_log())
-                self.window.restart_clock()  # evaluation time is not training throughput
-            every = self._eval_tasks_every
-            if self.eval_task_names and every and (self.step % every == 0 or self.step == cfg.steps):
-                last.update(self._evaluate_and_log(self.evaluate_tasks))
-                self.window.restart_clock()
-            if save_now:
-                self.save_checkpoint()
-                self.window.restart_clock()
-            bar.update(1)
+            last = self._after_step(cfg, metrics, log, stop, last)
+            log.bar.update(1)
             if stop:
                 self.preempted = True
                 logger.warning("stopped at step %d on request; resume with checkpoint.resume=auto", self.step)
-                break
-        bar.close()
+        log.bar.close()
         profiler.close()
         self.preemption.uninstall()
         self.checkpointer.wait()  # a stop request or the final save waits for the save in flight
@@ -712,176 +396,82 @@ class Trainer:
         self._close_data_iter()
         return last
 
-    def _progress_bar(self, cfg: Any) -> tqdm:
-        """A terminal gets a live bar; a log file (SLURM output, CI, ``> file``) one plain line per
-        logging step (:meth:`_log_step`) instead of a carriage-return frame per step."""
-        interactive = sys.stderr.isatty()
-        self._log_lines = cfg.progress and self.dist.is_main and not interactive
-        return tqdm(
-            total=cfg.steps,
-            initial=self.step,
-            disable=not (cfg.progress and self.dist.is_main and interactive),
-            desc=self.cfg.recipe,
-            unit="step",
-            dynamic_ncols=True,
-        )
-
-    def _log_step(self, metrics: dict[str, Any], bar: tqdm) -> dict[str, Any]:
-        """A logging step, the loop's one host sync: close the window (one all-reduce, which also
-        carries the non-finite counts), act on non-finite steps, log and return the metrics."""
-        audit = self.runtime_audit.window_end()  # before this block's own (expected) syncs
-        self.accelerator.synchronize()
-        totals = self.window.close(self._all_reduce_sum, device=self.device, extra=self.nonfinite.counts)
-        bad_steps, bad_losses = totals.extra
-        self.nonfinite.check(bad_steps, bad_losses, metrics, self.step)
-        self.tokens_seen += totals.tokens
-        self.peak_flops, self.peak_flops_source = peak_covering(
-            self.peak_flops,
-            self.peak_flops_source,
-            flops=totals.flops,
-            elapsed_s=totals.elapsed_s,
-            num_devices=self.dist.world_size,
-        )
-        last = {
-            "step": self.step,
-            # Each rank's loss is its token sum over the GLOBAL token count: sum, not mean.
-            "loss": float(token_all_reduce(metrics["loss"], self.parallel_dims)),
-            "grad_norm": float(metrics["grad_norm"]),
-            "lr": self.lr_scheduler.get_last_lr()[0],
-            "tokens_seen": self.tokens_seen,
-            **throughput_metrics(
-                tokens=totals.tokens,
-                flops=totals.flops,
-                elapsed_s=totals.elapsed_s,
-                steps=totals.steps,
-                num_devices=self.dist.world_size,
-                peak_flops=self.peak_flops,
-            ),
-            **memory_metrics(self.accelerator.memory_stats()),
-            **self.compile_monitor.metrics(),
-            **routing_stats(self.model),  # this rank's experts' load, auxiliary loss, drops
-            **self._dp_sums(metrics.get("dp_sums")),
-            **audit,
-        }
-        if self.cfg.checkpoint.enabled:
-            wall_s = time.perf_counter() - self._fit_started
-            last.update(checkpoint_metrics(self.checkpointer.blocked_s, wall_s))
-        if self.nonfinite_skipped:
-            last["nonfinite_skipped"] = self.nonfinite_skipped
-        self.metrics.log(last)
-        bar.set_postfix(progress_postfix(last))
-        if self._log_lines:
-            summary = "  ".join(f"{k} {v}" for k, v in progress_postfix(last).items())
-            logger.info("step %d/%d  %s", self.step, self.cfg.trainer.steps, summary)
-        self.window.reset()
+    def _after_step(self, cfg: Any, metrics: dict, log: StepLog, stop: bool, last: dict) -> dict[str, Any]:
+        """What is due after a step: logging, evaluations, a checkpoint (a stop request saves now);
+        returns the last logged metrics (``last`` when nothing was logged), evaluations included."""
+        at_end = self.step == cfg.steps
+        save_now = self.cfg.checkpoint.enabled and (stop or self.checkpointer.due(self.step))
+        last = log.log(metrics) if self.step % cfg.log_every == 0 or at_end or save_now else last
+        evals = []
+        if cfg.eval_every and (self.step % cfg.eval_every == 0 or at_end) and self.data.has_eval:
+            evals.append(self.evaluate)
+        every = self._eval_tasks_every
+        if self.eval_task_names and every and (self.step % every == 0 or at_end):
+            evals.append(self.evaluate_tasks)
+        for evaluate in evals:
+            last.update(self._evaluate_and_log(evaluate))
+            self.window.restart_clock()  # evaluation time is not training throughput
+        if save_now:
+            self.save_checkpoint()
+            self.window.restart_clock()
         return last
 
-    def _lora_record(self) -> dict[str, Any]:
-        """LoRA: what export needs to write the adapters in PEFT's format or merge them (else nothing)."""
-        if not self.lora_modules:
-            return {}
-        return {"lora": lora_state(self.cfg.finetune.lora, self.lora_modules)}
-
-    def _dp_sums(self, sums: dict[str, torch.Tensor] | None) -> dict[str, float]:
-        """A step's extra metrics (``train_step``'s ``dp_sums``: each rank's share of a global mean),
-        summed over the data-parallel ranks in one all-reduce."""
-        if not sums:
-            return {}
-        totals = self._all_reduce_sum(torch.stack([v.detach().float() for v in sums.values()]))
-        return dict(zip(sums, totals.tolist(), strict=True))
-
-    def _evaluate_and_log(self, evaluate: Any = None) -> dict[str, float]:
-        """:meth:`evaluate` (or ``evaluate``: :meth:`evaluate_tasks`; its compilation watched, the
-        runtime audit paused), logged, then :meth:`on_eval_end`."""
+    def _evaluate_and_log(self, evaluate: Any) -> dict[str, float]:
+        """``evaluate`` (:meth:`evaluate` or :meth:`evaluate_tasks`; its compilation watched, the runtime
+        audit paused), logged, then :meth:`on_eval_end`."""
         with self.compile_monitor.watch(what="evaluation"), self.runtime_audit.paused():
-            eval_metrics = (evaluate or self.evaluate)()
+            eval_metrics = evaluate()
         self.metrics.log({"step": self.step, **eval_metrics})
         self.on_eval_end(self.step, eval_metrics)
         return eval_metrics
 
     def save_checkpoint(self) -> Path:
-        """Save everything a resume needs (collective; see ``portatrain.checkpoint`` for the layout).
-
-        Refuses (``NonFiniteError``) to save a non-finite state (weights or optimizer moments): a
-        checkpoint is always finite, so rotation never replaces the last finite checkpoint with a
-        broken one.
-        """
+        """Save everything a resume needs (collective; the layout: ``portatrain.checkpoint``). A
+        non-finite state is refused (``NonFiniteError``): rotation never replaces the last finite
+        checkpoint with a broken one."""
         self.nonfinite.assert_finite_state(self.step, self.model, self.optimizer)
         path = self.checkpointer.save(
             self.step,
             model=self.model,
             optimizer=self.optimizer,
             state={
-                "step": self.step,
-                "tokens_seen": self.tokens_seen,
-                "lr_scheduler": self.lr_scheduler.state_dict(),
+                **self.state.record(),
                 "recipe": self.cfg.recipe,
                 "model_name": self.cfg.model.name,  # the family whose spec reads model_args back
                 "model_args": model_args_dict(self.model),
                 "tokenizer": self.tokenizer.name,  # absolute path: export copies its files
                 "dp_world_size": self.dp_world_size,
-                **self._lora_record(),
+                **self.converters.record(),  # e.g. LoRA's adapted layers, for export
             },
             dataloader_state=self.train_loader.state_dict(),
             rng_state=self.accelerator.get_rng_state(),
             config_yaml=redacted_yaml(self.cfg),
+            init_from=self.cfg.model.init_from or None,  # a frozen base loaded from there is referenced
         )
         if self.dist.is_main and self.checkpointer.async_mode != "none":
             logger.info("staged checkpoint %s; writing it in the background", path)
         return path
 
     def load_checkpoint(self, path: Path) -> None:
-        """Restore model, optimizer, LR schedule, data position, RNG and counters from ``path``.
-
-        Every load checks the tensors it reads against the checksums written with them, and that they
-        are finite. With ``checkpoint.resume=auto``, a checkpoint that fails (unreadable, damaged or
-        non-finite: :class:`DamagedCheckpointError`) is skipped with a warning naming it and the one
-        before it is loaded; an explicit ``checkpoint.resume=PATH`` to it is that error. Optimizer hyper-parameters and the LR
-        schedule's peak come from the current config (a change is applied and logged).
-        """
-        while True:
-            try:
-                state, loader_state, rng_state = self.checkpointer.load(
-                    path,
-                    model=self.model,
-                    optimizer=self.optimizer,
-                    rng_template=self.accelerator.get_rng_state(),
-                    read_loader_state=self.cfg.checkpoint.restore_data,
-                )
-                break
-            except DamagedCheckpointError as exc:
-                if str(self.cfg.checkpoint.resume) != "auto":
-                    raise
-                previous = broadcast_from_main(
-                    newest_usable(path.parent, self.cfg.recipe, below=int(path.name.split("_")[-1]))
-                    if self.dist.is_main
-                    else None
-                )
-                if previous is None:
-                    raise
-                logger.warning("checkpoint.resume=auto: skipping %s (%s); trying %s", path, exc, previous)
-                path = self.resume_from = previous
-        base_lrs = list(self.lr_scheduler.base_lrs)
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        # The schedule's peak is optim.lr of the current config (the moments come from the checkpoint).
-        self.lr_scheduler.base_lrs = base_lrs
-        sched = self.lr_scheduler
-        lrs = [base * fn(sched.last_epoch) for base, fn in zip(base_lrs, sched.lr_lambdas, strict=True)]
-        for group, lr in zip(self.optimizer.param_groups, lrs):
-            group["lr"] = lr
-        self.lr_scheduler._last_lr = list(lrs)
-        if loader_state is not None and self.cfg.checkpoint.restore_data:
-            load_dataloader_state(self.train_loader, loader_state, path)
-        if rng_state is not None:
-            self.accelerator.set_rng_state(rng_state)
-        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        """Restore model, optimizer, LR schedule, data position, RNG and counters from ``path``
+        (``TrainState.load``: checksummed, finite; ``checkpoint.resume=auto`` falls back to the newest
+        usable one before it). Optimizer hyper-parameters and the LR schedule's peak come from the
+        current config (a change is applied and logged)."""
+        self.resume_from = path = self.state.load(
+            self.checkpointer,
+            path,
+            auto=str(self.cfg.checkpoint.resume) == "auto",
+            recipe=self.cfg.recipe,
+            restore_data=self.cfg.checkpoint.restore_data,
+        )
         if self.dist.is_main:
             logger.info("resumed from %s at step %d", path, self.step)
 
     def close(self) -> None:
+        """Finish the run's services (the process group is the command's: ``portatrain.cli``)."""
         if self.replica_groups is not None:
             self.replica_groups.close(self.model)  # logs the weights digest, leaves the quorum
-            self.replica_groups = None
+            self.replica_groups = self.optimizer_step.replica_groups = None
         self.checkpointer.close()
         self.runtime_audit.close()
         self.compile_monitor.close()
@@ -889,23 +479,8 @@ class Trainer:
         self.metrics.close()
         self._release_run_dir()
         self._close_data_iter()
-        destroy_distributed()
 
     # -- internals -------------------------------------------------------------------------
-    def _lock_run_dir(self) -> RunDirLock | None:
-        """Rank 0 creates the run directory and takes its lock; every rank learns the outcome."""
-        lock, error = None, None
-        if self.dist.is_main:
-            try:
-                lock = lock_run_dir(self.run_dir)
-            except (RunDirLockedError, RunDirNotWritableError) as exc:
-                error = (type(exc).__name__, str(exc))
-        error = broadcast_from_main(error)
-        if error is not None:
-            kind = RunDirLockedError if error[0] == RunDirLockedError.__name__ else RunDirNotWritableError
-            raise kind(error[1])
-        return lock
-
     def _close_data_iter(self) -> None:
         """Stop and join the loader's prefetch thread now, not at interpreter exit (where a thread
         inside a torch op aborts the process: ``portatrain.data.stream._prefetched``)."""
@@ -915,39 +490,19 @@ class Trainer:
             close()
 
     def _release_run_dir(self) -> None:
-        if self._run_dir_lock is not None:
-            self._run_dir_lock.release()
-            self._run_dir_lock = None
+        if self._run_dir is not None:
+            self._run_dir.release()
 
     def _materialize(self, model: nn.Module) -> nn.Module:
-        """Allocate the meta model on the device and initialize it (same seed on every rank; sharded
-        parameters get their slice of the single-device weights, see ``full_tensor_init``)."""
-        model.to_empty(device=self.device)
-        torch.manual_seed(self.cfg.trainer.seed)
-        with torch.no_grad(), full_tensor_init(self.cfg.parallel.init_full_tensors):
-            model.init_weights(self.cfg.model.init_std)
-            init_lora(model)  # no adapters: nothing to do
-        return model.train()
+        """Allocate the meta model on the device and initialize it (``portatrain.train.build``)."""
+        return initialize(model, self.runtime, self.cfg, self.converters)
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.accelerator.device_type, dtype=self.dtype)
+    def _autocast(self):  # noqa: ANN202 (a context manager)
+        return self.runtime.autocast()
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        # Packed rows come with document ids; their [B, 1, S, S] mask is built here, on the device.
-        # With context parallel, this rank's shard of the rows instead, and its attention.
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        if self.context_parallel is not None:
-            return self.context_parallel.shard_batch(batch)
-        return with_attention_mask(batch)
+        return self.runtime.to_device(batch)
 
     def _all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel ranks (tp ranks of one dp group hold the same value)."""
-        return dp_all_reduce(value.to(self.device), self.parallel_dims, "sum")
-
-    def _clip_gradients(self) -> torch.Tensor:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        pp_mesh = self.parallel_dims.pp_mesh if self.parallel_dims.pp_enabled else None
-        # one global norm across FSDP/TP meshes and pipeline stages
-        return clip_grad_norm_(params, self._max_grad_norm, pp_mesh=pp_mesh)
+        return self.runtime.all_reduce_sum(value)

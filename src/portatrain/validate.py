@@ -90,9 +90,10 @@ def config_problems(cfg: Config) -> list[str]:
             f"the longest row ({max(lengths)} positions, from {row_key}) exceeds the model's RoPE table "
             f"({args.max_seq_len}); set model.max_seq_len>={max(lengths)} or shorten the data"
         )
-    static_dispatch = cfg.model.moe_dispatch == "capacity" or (
-        cfg.model.moe_dispatch == "auto" and cfg.device.type not in ("cpu", "cuda")
-    )
+    # The adapter says whether its compiler wants static shapes (device=auto: assume it does).
+    adapter = ACCELERATORS.get(cfg.device.type)
+    static_shapes = adapter.static_shapes if adapter is not None else True
+    static_dispatch = cfg.model.moe_dispatch == "capacity" or (cfg.model.moe_dispatch == "auto" and static_shapes)
     if cfg.parallel.ep > 1 and static_dispatch and len(set(lengths)) > 1:
         # Capacity dispatch sizes each rank's slot buffer from its tokens; expert parallel exchanges
         # those buffers in equal splits, so every rank must run the same row length in a step.
@@ -172,6 +173,7 @@ def trainer_problems(trainer: TrainerConfig) -> list[str]:
 
 def _trainer_run_problems(trainer: TrainerConfig) -> list[str]:
     """What trainer_problems adds for reliability: meaningless eval settings, the non-finite policy."""
+    from portatrain.train.spike import spike_guard_problems
     from portatrain.trainer import NONFINITE_MODES  # the stage that acts on it owns the choices
 
     problems = []
@@ -186,6 +188,7 @@ def _trainer_run_problems(trainer: TrainerConfig) -> list[str]:
         problems.append(
             f"trainer.on_nonfinite={trainer.on_nonfinite!r} is not one of {', '.join(NONFINITE_MODES)}"
         )
+    problems += spike_guard_problems(trainer.spike_guard)
     return problems
 
 

@@ -1,9 +1,10 @@
 """Model converters: what changes the single-device model between its build on meta and its parallelization.
 
 A converter rewrites modules of the model in place -- the linear layers that multiply in FP8 or MXFP8
-(``quantize.linear``, :mod:`portatrain.converters.quantize`) -- and may act after every optimizer step
+(``quantize.linear``, :mod:`portatrain.converters.quantize`), LoRA's adapters (``finetune.method=lora``,
+:mod:`portatrain.converters.lora`) -- and may act after every optimizer step
 (float8's weight scales for the next FSDP2 all-gather). Features of this kind enter here, not through
-the Trainer's loop: the build stage applies the list once (``Trainer._setup_model``), the optimizer
+the Trainer's loop: the build stage applies the list once (``portatrain.train.build``), the optimizer
 step calls its one hook. The shape is torchtitan's: the ``ModelConverter`` protocol and its sequential
 container (pytorch/torchtitan ``torchtitan/protocols/model_converter.py``, as of commit 1ea5d511, before
 #3127 moved conversion onto the model config) and its quantization converters
@@ -20,13 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from portatrain.config import Config
-from portatrain.converters import quantize
-from portatrain.converters.base import BuildContext, ModelConverter
+from portatrain.converters import lora, quantize
+from portatrain.converters.base import BuildContext, Converter, ModelConverter
 
 if TYPE_CHECKING:
     from portatrain.accelerators import Accelerator
@@ -43,6 +44,7 @@ class Registered:
 
 CONVERTERS: dict[str, Registered] = {
     "quantize": Registered(quantize.build, quantize.problems),
+    "lora": Registered(lora.build, lora.problems),
 }
 """Every converter, applied in this order."""
 
@@ -63,9 +65,27 @@ class ModelConverters:
         for converter in self.converters:
             converter.convert(model)
 
+    def adapt(self, model: nn.Module) -> None:
+        for converter in self.converters:
+            converter.adapt(model)
+
+    def adapter(self) -> Callable[[nn.Module], None] | None:
+        """:meth:`adapt` when a converter adds modules inside the parallel plan, else None (a
+        family's plan is not handed an ``adapt`` it has nothing to do with)."""
+        adapts = any(type(c).adapt is not Converter.adapt for c in self.converters)
+        return self.adapt if adapts else None
+
+    def init_weights(self, model: nn.Module) -> None:
+        for converter in self.converters:
+            converter.init_weights(model)
+
     def post_optimizer_step(self, model: nn.Module) -> None:
         for converter in self.converters:
             converter.post_optimizer_step(model)
+
+    def record(self) -> dict[str, Any]:
+        """Every converter's record for a checkpoint's ``trainer_state.json``."""
+        return {key: value for converter in self.converters for key, value in converter.record().items()}
 
 
 def build_converters(cfg: Config, accelerator: Accelerator, parallel_dims: ParallelDims) -> ModelConverters:
@@ -84,6 +104,7 @@ def converter_problems(cfg: Config) -> list[str]:
 __all__ = [
     "CONVERTERS",
     "BuildContext",
+    "Converter",
     "ModelConverter",
     "ModelConverters",
     "build_converters",

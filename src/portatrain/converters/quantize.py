@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from portatrain.config import Config
+from portatrain.converters.base import Converter
 from portatrain.errors import UserError
 
 if TYPE_CHECKING:
@@ -238,7 +239,7 @@ def select_linears(
     return chosen, kept
 
 
-class _LowPrecisionLinears:
+class _LowPrecisionLinears(Converter):
     """What the two converters share: the selection, the one log line, no post-step work by default."""
 
     format = ""
@@ -274,9 +275,6 @@ class _LowPrecisionLinears:
 
     def _details(self) -> str:
         return ""
-
-    def post_optimizer_step(self, model: nn.Module) -> None:
-        """Nothing to do after a step."""
 
 
 class Float8Linears(_LowPrecisionLinears):

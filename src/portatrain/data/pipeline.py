@@ -144,15 +144,17 @@ class DataPipeline:
         """This rank's endless training loader (``state_dict``/``load_state_dict`` resume it)."""
         if self.streaming:
             return self._stream(self.train_range, train=True)
-        return self._memory(self.train_documents, train=True)
+        return self.memory_loader(self.train_documents, train=True)
 
     def eval_loader(self) -> Any:
         """One pass over the held-out documents, in order, the last batch padded."""
         if self.streaming:
             return self._stream(self.eval_range, train=False)
-        return self._memory(self.eval_documents, train=False)
+        return self.memory_loader(self.eval_documents, train=False)
 
-    def _memory(self, documents: list[list[int]], *, train: bool) -> Any:
+    def memory_loader(self, documents: list[list[int]], *, train: bool) -> Any:
+        """A loader over ``documents`` in memory (training: infinite, shuffled as configured;
+        evaluation: sequential, the last batch padded)."""
         data_cfg = self.cfg
         if not train:
             data_cfg = OmegaConf.merge(

@@ -17,7 +17,7 @@ def eval_command(cfg: Config) -> dict[str, Any] | None:
     from lm_eval.utils import handle_non_serializable, make_table
 
     from portatrain.checkpoint import find_checkpoint
-    from portatrain.distributed import destroy_distributed, dist_info_from_env
+    from portatrain.distributed import dist_info_from_env
     from portatrain.evaluation.model import eval_mode, harness_lm, load_checkpoint_model
 
     names = task_names(cfg.eval.tasks)
@@ -27,20 +27,17 @@ def eval_command(cfg: Config) -> dict[str, Any] | None:
             "tasks=[hellaswag,arc_easy] (local ones with eval.include_path=[DIR])"
         )
     checkpoint = find_checkpoint(cfg.eval.checkpoint, Path(cfg.run_dir))
-    try:
-        loaded = load_checkpoint_model(cfg, checkpoint)
-        lm = harness_lm(
-            loaded.model,
-            loaded.tokenizer,
-            cfg.eval,
-            device=loaded.accelerator.device,
-            dtype=loaded.dtype,
-            tp=loaded.tp,
-        )
-        with eval_mode(loaded.model):
-            results = run_tasks(lm, names, cfg.eval)
-    finally:
-        destroy_distributed()
+    loaded = load_checkpoint_model(cfg, checkpoint)
+    lm = harness_lm(
+        loaded.model,
+        loaded.tokenizer,
+        cfg.eval,
+        device=loaded.accelerator.device,
+        dtype=loaded.dtype,
+        tp=loaded.tp,
+    )
+    with eval_mode(loaded.model):
+        results = run_tasks(lm, names, cfg.eval)
     if dist_info_from_env().is_main and results is not None:
         print(f"{checkpoint} (step {loaded.step}):")
         print(make_table(results))

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -23,6 +24,8 @@ import torch
 from torch import nn
 
 from portatrain.config import Config, EvalConfig, LoraConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,74 +43,61 @@ class CheckpointModel:
 
 
 def load_checkpoint_model(cfg: Config, checkpoint: Path) -> CheckpointModel:
-    """Build the model ``checkpoint`` records on ``cfg``'s device and layout and load its weights."""
-    from portatrain.accelerators import resolve_accelerator
-    from portatrain.checkpoint import (
-        LEGACY_MODEL_NAME,
-        CheckpointError,
-        inspect_checkpoint,
-        load_model_weights,
-    )
+    """Build the model ``checkpoint`` records on ``cfg``'s device and layout and load its weights,
+    through the shared runtime and model stages (``portatrain.train``) without compilation."""
+    from portatrain.checkpoint import inspect_checkpoint, load_model_weights
+    from portatrain.converters import ModelConverters
+    from portatrain.converters.lora import LoraAdapters
     from portatrain.data.tokenizer import build_tokenizer
-    from portatrain.distributed import dist_info_from_env, init_distributed
-    from portatrain.dtypes import dtype_from_name
-    from portatrain.finetune.lora import apply_lora
-    from portatrain.models import SPECS, moe_dispatch
-    from portatrain.models.common.moe import configure_moe
-    from portatrain.parallel import ParallelDims, parallelize_model
+    from portatrain.parallel import parallelize_model
+    from portatrain.train.build import build_model, checkpoint_spec, runtime_options
+    from portatrain.train.runtime import build_runtime
 
     state, _ = inspect_checkpoint(checkpoint)  # before any process group: a bad path is one line
-    spec = SPECS.get(state.get("model_name", LEGACY_MODEL_NAME))
-    if spec is None or not state.get("model_args"):
-        raise CheckpointError(
-            f"checkpoint {checkpoint}: its model (family {state.get('model_name')!r}) is not a registered "
-            f"model family with recorded arguments (known: {', '.join(SPECS)}); only those can be evaluated"
-        )
-    args = spec.args_from_dict(state["model_args"])
+    spec, args = checkpoint_spec(checkpoint, state, what="evaluated")
     tokenizer = build_tokenizer(state.get("tokenizer", "byte"))
-
-    dist = dist_info_from_env()
-    index = cfg.device.index if cfg.device.index is not None else dist.local_rank
-    accelerator = resolve_accelerator(cfg.device.type, index)
-    accelerator.set_device()
-    dims = ParallelDims.from_config(cfg.parallel, world_size=dist.world_size)
-    init_distributed(accelerator, dist)
-    dims.build_mesh(accelerator.device_type)
-    dtype = accelerator.default_dtype if cfg.trainer.dtype == "auto" else dtype_from_name(cfg.trainer.dtype)
-
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    configure_moe(
-        model,
-        dispatch=moe_dispatch(cfg.model, static_shapes=accelerator.static_shapes),
-        capacity_factor=cfg.model.capacity_factor,
-        aux_loss_scale=0.0,
-        supports_grouped_mm=accelerator.supports_grouped_mm,
-    )
+    runtime = build_runtime(cfg)
     lora = state.get("lora")  # a LoRA fine-tune: its adapters, added as training added them
-    model = parallelize_model(
-        model,
-        spec.parallelize,
-        dims,
-        cfg.parallel,
-        compile_block=None,
-        compute_dtype=dtype,
-        adapt=partial(
-            apply_lora, cfg=LoraConfig(rank=lora["rank"], alpha=lora["alpha"], targets=lora["modules"])
-        )
+    converters = ModelConverters(
+        [LoraAdapters(LoraConfig(rank=lora["rank"], alpha=lora["alpha"], targets=lora["modules"]))]
         if lora
-        else None,
+        else []
     )
-    model.to_empty(device=accelerator.device)
-    with torch.no_grad():
-        model.init_weights()  # the RoPE tables (not in checkpoints); the weights are loaded next
-    state = load_model_weights(checkpoint, model)
+
+    def parallelize(model: nn.Module) -> nn.Module:
+        return parallelize_model(
+            model,
+            spec.parallelize,
+            runtime.parallel_dims,
+            cfg.parallel,
+            compile_block=None,
+            compute_dtype=runtime.dtype,
+            adapt=converters.adapter(),
+        )
+
+    def materialize(model: nn.Module) -> nn.Module:
+        model.to_empty(device=runtime.device)
+        with torch.no_grad():
+            model.init_weights()  # the RoPE tables (not in checkpoints); the weights are loaded next
+        return model
+
+    built = build_model(
+        runtime,
+        spec,
+        runtime_options(cfg.model, runtime, grad_accum=0),  # no auxiliary loss
+        construct=partial(spec.model_cls, args),
+        parallelize=parallelize,
+        materialize=materialize,
+        converters=converters,
+        parallel=cfg.parallel,
+    )
+    state = load_model_weights(checkpoint, built.model)
     return CheckpointModel(
-        model=model.eval(),
+        model=built.model.eval(),
         tokenizer=tokenizer,
-        accelerator=accelerator,
-        dtype=dtype,
-        tp=dims.tp,
+        accelerator=runtime.accelerator,
+        dtype=runtime.dtype,
+        tp=runtime.parallel_dims.tp,
         checkpoint=Path(checkpoint),
         step=int(state["step"]),
     )
@@ -154,3 +144,31 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.train(was_training)
+
+
+def evaluate_model_tasks(
+    model: nn.Module, tokenizer: Any, names: list[str], settings: EvalConfig, runtime: Any, *, step: int
+) -> dict[str, float]:
+    """lm-eval's ``names`` on ``model`` as it is, between training steps (the Trainer's
+    ``evaluate_tasks``): every rank takes part, each over every request; the metrics come back on local
+    rank 0 (``{}`` elsewhere), logged there; the random states are left as they were. ``runtime`` is
+    the run's :class:`~portatrain.train.runtime.Runtime`."""
+    from portatrain.evaluation import flat_metrics, run_tasks
+
+    lm = harness_lm(
+        model,
+        tokenizer,
+        settings,
+        device=runtime.device,
+        dtype=runtime.dtype,
+        tp=runtime.parallel_dims.tp,
+        progress=False,
+    )
+    rng = runtime.accelerator.get_rng_state()
+    with eval_mode(model):
+        results = run_tasks(lm, names, settings, bootstrap_iters=0, quiet=True)
+    runtime.accelerator.set_rng_state(rng)
+    metrics = flat_metrics(results)
+    if runtime.dist.is_main:
+        logger.info("step %d: %s", step, "  ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+    return metrics

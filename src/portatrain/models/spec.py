@@ -59,6 +59,50 @@ class Parallelize(Protocol):
 
 
 @dataclass(frozen=True)
+class RuntimeOptions:
+    """What a family's runtime hooks may know of the run (given by the build stage, not the config)."""
+
+    moe_dispatch: str
+    """``capacity`` or ``dropless`` (``model.moe_dispatch``, ``auto`` already resolved for the device)."""
+    capacity_factor: float
+    aux_loss_scale: float
+    """Weight of an auxiliary loss per forward: ``1 / trainer.grad_accum`` in training, 0 in evaluation."""
+    reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Sums statistics over the ranks that see different tokens (data and context parallel), or None."""
+    supports_grouped_mm: Callable[[torch.dtype], bool] | None = None
+    """The accelerator adapter's answer: whether ``torch._grouped_mm`` runs natively in a dtype."""
+
+
+class ModelRuntime(Protocol):
+    """A family's hooks around the training step (torchtitan hangs these on its spec, e.g.
+    ``post_optimizer_build_fn``); what :attr:`ModelSpec.runtime` attaches to a built model."""
+
+    def post_optimizer_step(self, ok: torch.Tensor) -> None:
+        """After each optimizer step; ``ok`` (a device bool, the same on every rank) is false when the
+        step was skipped (non-finite) or only rehearsed (compile warm-up): leave the state as it was."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """The family's figures since the last call, at logging steps (a host read is allowed here)."""
+        ...
+
+
+class NoRuntime:
+    """The hooks of a family with nothing to do around the step."""
+
+    def post_optimizer_step(self, ok: torch.Tensor) -> None:
+        pass
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+
+def no_runtime(model: nn.Module, options: RuntimeOptions) -> ModelRuntime:
+    """:attr:`ModelSpec.runtime` of a family without runtime hooks."""
+    return NoRuntime()
+
+
+@dataclass(frozen=True)
 class HFMapping:
     """How a family maps onto its Hugging Face ``transformers`` counterpart (no transformers import)."""
 
@@ -104,6 +148,11 @@ class ModelSpec:
     (e.g. ``{"ffn_dim": "ffn_hidden_dim"}``), for custom sizes from the command line. A key not
     listed here that names a field of :attr:`args_cls` sets that field; any other key set in the
     config (e.g. ``model.head_dim`` for Llama, which derives it) is an error naming the choices."""
+
+    runtime: Callable[[nn.Module, RuntimeOptions], ModelRuntime] = no_runtime
+    """``runtime(model, options)``: configure the built (meta) model for the run and return its hooks
+    around the step (:class:`ModelRuntime`): the shared decoder's are the mixture of experts' (dispatch,
+    auxiliary loss, router bias updates, routing statistics), no-ops for a dense model."""
 
     def args(self, flavor: str, **overrides: Any) -> Any:
         """The flavour's arguments with ``overrides`` (config keys, None = keep) applied.

@@ -25,7 +25,7 @@ from typing import Any
 from torch import nn
 
 from portatrain.models.memory import estimate_memory
-from portatrain.models.spec import HFMapping, ModelSpec
+from portatrain.models.spec import HFMapping, ModelRuntime, ModelSpec, RuntimeOptions
 
 
 def parallelize(model: nn.Module, parallel_dims: Any, **options: Any) -> nn.Module:
@@ -34,6 +34,13 @@ def parallelize(model: nn.Module, parallel_dims: Any, **options: Any) -> nn.Modu
     from portatrain.models.common.parallelize import parallelize_decoder
 
     return parallelize_decoder(model, parallel_dims, **options)
+
+
+def runtime(model: nn.Module, options: RuntimeOptions) -> ModelRuntime:
+    """The shared decoder's hooks around the step: its mixture-of-experts layers' (none: no-ops)."""
+    from portatrain.models.common.moe import MoERuntime
+
+    return MoERuntime(model, options)
 
 
 def layout_problems(parallel: Any, args: Any) -> list[str]:
@@ -73,4 +80,5 @@ def decoder_spec(
         published_params=published_params,
         layout_problems=layout_problems,
         config_overrides=config_overrides or {},
+        runtime=runtime,
     )

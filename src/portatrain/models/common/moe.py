@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +74,9 @@ from torch import nn
 from portatrain.dtypes import DTYPES
 from portatrain.kernels.reference import swiglu
 from portatrain.models.common.layers import FeedForward, trunc_normal_
+
+if TYPE_CHECKING:
+    from portatrain.models.spec import RuntimeOptions
 
 DISPATCH_MODES: tuple[str, ...] = ("dropless", "capacity")
 
@@ -641,3 +644,26 @@ def configure_moe(
         m.experts.grouped_mm_dtypes = native
     return len(layers)
 
+
+class MoERuntime:
+    """The mixture of experts' hooks around the step (:class:`~portatrain.models.spec.ModelRuntime`):
+    every :class:`MoE` layer configured for the run, the balanced routers' bias moved after each
+    optimizer step (DeepSeek-V3), the routing statistics at logging steps. No-ops for a dense model."""
+
+    def __init__(self, model: nn.Module, options: RuntimeOptions) -> None:
+        self.model = model
+        configure_moe(
+            model,
+            dispatch=options.moe_dispatch,
+            capacity_factor=options.capacity_factor,
+            aux_loss_scale=options.aux_loss_scale,
+            reduce_stats=options.reduce_stats,
+            supports_grouped_mm=options.supports_grouped_mm,
+        )
+        self.routers = balanced_routers(model)
+
+    def post_optimizer_step(self, ok: torch.Tensor) -> None:
+        update_expert_bias(self.routers, ok)
+
+    def metrics(self) -> dict[str, float]:
+        return routing_stats(self.model)

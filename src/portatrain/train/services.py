@@ -1,0 +1,55 @@
+"""What watches a training run, built from the config: the checkpointer, the non-finite guard and
+the metrics sinks (each a stage of its own; this module only wires them to the run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from portatrain.checkpoint import Checkpointer
+from portatrain.config import Config
+from portatrain.metrics import MetricsLogger
+from portatrain.train.nonfinite import NonFiniteGuard
+from portatrain.train.runtime import Runtime
+
+
+def build_checkpointer(cfg: Config, runtime: Runtime, run_dir: Path) -> Checkpointer:
+    """Checkpoints under ``<run_dir>/checkpoints`` (``checkpoint.*``); pinned host staging where the
+    adapter has it."""
+    accelerator = runtime.accelerator
+    return Checkpointer(
+        run_dir / "checkpoints",
+        keep=cfg.checkpoint.keep,
+        every=cfg.checkpoint.every,
+        is_main=runtime.dist.is_main,
+        async_mode=cfg.checkpoint.async_mode,
+        pinned_staging=accelerator.synchronize if accelerator.pinned_staging else None,
+    )
+
+
+def build_nonfinite_guard(cfg: Config, runtime: Runtime, checkpointer: Checkpointer) -> NonFiniteGuard:
+    """Non-finite steps (``trainer.on_nonfinite``): counted on the device every step, read at the
+    logging sync and before every save, with no extra host sync (``portatrain.train.nonfinite``)."""
+    return NonFiniteGuard(
+        cfg.trainer.on_nonfinite,
+        device=runtime.device,
+        all_reduce_sum=runtime.all_reduce_sum,
+        dp_world_size=runtime.parallel_dims.dp,  # the ranks its counts are summed over
+        checkpointer=checkpointer,
+        is_main=runtime.dist.is_main,
+        lr=cfg.optim.lr,
+    )
+
+
+def build_metrics(cfg: Config, runtime: Runtime, run_dir: Path, *, resumed: bool) -> MetricsLogger:
+    """Rank 0's metrics sinks (``metrics.*``: JSONL, TensorBoard, W&B, MLflow); the config they get
+    is redacted first, and a resumed run continues the trackers' runs."""
+    return MetricsLogger(
+        run_dir,
+        enabled=runtime.dist.is_main,
+        jsonl=cfg.metrics.jsonl,
+        tensorboard=cfg.metrics.tensorboard,
+        wandb=cfg.metrics.wandb,
+        mlflow=cfg.metrics.mlflow,
+        config=cfg,
+        resumed=resumed,
+    )
