@@ -184,17 +184,51 @@ def estimate_memory(
     grad_dtype_bytes = param_dtype_bytes if grad_dtype_bytes is None else grad_dtype_bytes
     act_bytes = param_dtype_bytes if activation_dtype_bytes is None else activation_dtype_bytes
 
+    positive = {"batch_size": batch_size, "seq_len": seq_len, "param_dtype_bytes": param_dtype_bytes}
+    positive |= {"grad_dtype_bytes": grad_dtype_bytes, "activation_dtype_bytes": act_bytes}
+    positive |= {"shard_degree": shard_degree, "tp_degree": tp_degree, "ep_degree": ep_degree}
+    _check_inputs(args, positive, optim_state_bytes_per_param, activation_checkpointing)
+
+    n_params, ranks = args.num_params(), shard_degree * tp_degree
+    params = _ceil_div(n_params * param_dtype_bytes, ranks)
+    grads = _ceil_div(n_params * grad_dtype_bytes, ranks)
+    optimizer = _ceil_div(n_params * optim_state_bytes_per_param, ranks)
+    fsdp_buffers = 0
+    if shard_degree > 1:
+        unit = max(
+            max(_fsdp_unit(args, i, ep_degree) for i in range(args.n_layers)), args.vocab_size * args.dim
+        )
+        fsdp_buffers = _ceil_div(unit * (2 * act_bytes + grad_dtype_bytes), tp_degree)
+    per_token_blocks, per_token_recompute = _block_activations(
+        args, seq_len, batch_size, act_bytes, activation_checkpointing, attn_mask, capacity_factor
+    )
+    tokens = batch_size * seq_len
+    head = _head_activations(args, tokens, act_bytes, loss_chunk_size)
+    activations = _ceil_div(tokens * per_token_blocks + max(head, tokens * per_token_recompute), tp_degree)
+    # Gradients and activations peak at different times: at the start of backward every
+    # activation is alive but only the output head's gradient exists; at its end every gradient
+    # exists and the activations are gone.
+    head_grad = _ceil_div(args.vocab_size * args.dim * grad_dtype_bytes, ranks)
+    total = params + optimizer + fsdp_buffers + max(activations + head_grad, grads)
+    return {
+        "params": params,
+        "grads": grads,
+        "optimizer": optimizer,
+        "fsdp_buffers": fsdp_buffers,
+        "activations": activations,
+        "total": total,
+    }
+
+
+def _check_inputs(
+    args: TransformerShape,
+    positive: dict[str, int],
+    optim_state_bytes_per_param: int,
+    activation_checkpointing: str,
+) -> None:
+    """Raise one ValueError listing every input :func:`estimate_memory` cannot take."""
     problems = []
-    for name, value in (
-        ("batch_size", batch_size),
-        ("seq_len", seq_len),
-        ("param_dtype_bytes", param_dtype_bytes),
-        ("grad_dtype_bytes", grad_dtype_bytes),
-        ("activation_dtype_bytes", act_bytes),
-        ("shard_degree", shard_degree),
-        ("tp_degree", tp_degree),
-        ("ep_degree", ep_degree),
-    ):
+    for name, value in positive.items():
         if value <= 0:
             problems.append(f"{name}={value} must be positive")
     if optim_state_bytes_per_param < 0:
@@ -203,6 +237,7 @@ def estimate_memory(
         problems.append(
             f"activation_checkpointing={activation_checkpointing!r} is not one of {', '.join(_CHECKPOINTING)}"
         )
+    tp_degree = positive["tp_degree"]
     if tp_degree > 0 and (args.n_heads % tp_degree or args.n_kv_heads % tp_degree):
         problems.append(
             f"tp_degree={tp_degree} must divide n_heads={args.n_heads} and n_kv_heads={args.n_kv_heads}; "
@@ -211,20 +246,18 @@ def estimate_memory(
     if problems:
         raise ValueError("cannot estimate memory:\n  - " + "\n  - ".join(problems))
 
-    n_params = args.num_params()
-    ranks = shard_degree * tp_degree
-    params = _ceil_div(n_params * param_dtype_bytes, ranks)
-    grads = _ceil_div(n_params * grad_dtype_bytes, ranks)
-    optimizer = _ceil_div(n_params * optim_state_bytes_per_param, ranks)
 
-    fsdp_buffers = 0
-    if shard_degree > 1:
-        unit = max(
-            max(_fsdp_unit(args, layer, ep_degree) for layer in range(args.n_layers)),
-            args.vocab_size * args.dim,
-        )
-        fsdp_buffers = _ceil_div(unit * (2 * act_bytes + grad_dtype_bytes), tp_degree)
-
+def _block_activations(
+    args: TransformerShape,
+    seq_len: int,
+    batch_size: int,
+    act_bytes: int,
+    activation_checkpointing: str,
+    attn_mask: bool,
+    capacity_factor: float | None,
+) -> tuple[int, int]:
+    """Bytes per token the blocks keep until backward, and those one block's recomputation holds
+    meanwhile (checkpointing only); the arguments are :func:`estimate_memory`'s."""
     h, a = args.dim, args.n_heads
     q = args.n_heads * args.head_dim
     kv = args.n_kv_heads * args.head_dim
@@ -269,8 +302,14 @@ def estimate_memory(
         per_token_blocks = args.n_layers * h * act_bytes
     else:  # selective: half of the matmul outputs (q, o, k, v and the MLP's)
         per_token_blocks = sum((h + q + (attn_matmuls + mm) // 2) * act_bytes + a * 4 for _, _, mm in mlps)
-    tokens = batch_size * seq_len
-    v = args.vocab_size
+    return per_token_blocks, recompute
+
+
+def _head_activations(
+    args: TransformerShape, tokens: int, act_bytes: int, loss_chunk_size: int | None
+) -> int:
+    """Bytes the output head and the loss hold at the start of backward, for ``tokens`` tokens."""
+    h, v = args.dim, args.vocab_size
     if loss_chunk_size is None:
         # Logits, their fp32 log-probabilities, and -- at the start of backward, the peak -- the
         # fp32 gradient of the logits.
@@ -281,21 +320,7 @@ def estimate_memory(
         # also computed in forward, is the output head's entry of ``grads``.
         chunk = min(loss_chunk_size, tokens)
         head = tokens * 3 * h * act_bytes + chunk * v * (4 + (act_bytes if act_bytes != 4 else 0))
-    activations = _ceil_div(tokens * per_token_blocks + max(head, tokens * recompute), tp_degree)
-
-    estimate = {
-        "params": params,
-        "grads": grads,
-        "optimizer": optimizer,
-        "fsdp_buffers": fsdp_buffers,
-        "activations": activations,
-    }
-    # Gradients and activations peak at different times: at the start of backward every
-    # activation is alive but only the output head's gradient exists; at its end every gradient
-    # exists and the activations are gone.
-    head_grad = _ceil_div(v * h * grad_dtype_bytes, ranks)
-    estimate["total"] = params + optimizer + fsdp_buffers + max(activations + head_grad, grads)
-    return estimate
+    return head
 
 
 def mlp_saved(
