@@ -17,7 +17,7 @@ import contextlib
 import os
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -135,16 +135,6 @@ def _device_module(ext: Any, name: str) -> types.ModuleType:
     def synchronize(device: Any = None) -> None:
         ext.record_event("sync:synchronize")
 
-    def manual_seed(seed: int) -> None:
-        ext.default_generator(ext.current_device()).manual_seed(int(seed))
-
-    def manual_seed_all(seed: int) -> None:
-        for i in range(ext.device_count()):
-            ext.default_generator(i).manual_seed(int(seed))
-
-    def stats(device: Any = None) -> dict[str, Any]:
-        return torch.accelerator.memory_stats(torch.device(name, _index(device)))
-
     class device:  # noqa: N801 - mirrors torch.cuda.device
         """Context manager that makes ``index`` the current sim device."""
 
@@ -158,6 +148,83 @@ def _device_module(ext: Any, name: str) -> types.ModuleType:
         def __exit__(self, *exc: object) -> None:
             ext.set_device(self.previous)
 
+    functions = {
+        "is_available": lambda: True,
+        "is_initialized": lambda: True,
+        "_is_in_bad_fork": lambda: False,
+        "_lazy_init": lambda: None,
+        "device_count": ext.device_count,
+        "current_device": ext.current_device,
+        "set_device": lambda device: ext.set_device(_index(device)),
+        "synchronize": synchronize,
+        "device": device,
+        "get_device_name": lambda device=None: f"portatrain sim ({name}, CPU kernels)",
+        # torch.autocast asks the device module which dtypes it may cast to.
+        "get_amp_supported_dtype": lambda: [torch.float16, torch.bfloat16],
+        "is_bf16_supported": lambda including_emulation=True: True,
+        **_rng_functions(ext, _index),
+        **_memory_functions(name, _index),
+        **_stream_functions(ext, name, _index),
+    }
+    for key, value in functions.items():
+        if value is not None:
+            setattr(module, key, value)
+    return module
+
+
+def _rng_functions(ext: Any, index: Callable[[Any], int]) -> dict[str, Any]:
+    """The device module's seeding and RNG-state functions, over each sim device's generator."""
+
+    def manual_seed(seed: int) -> None:
+        ext.default_generator(ext.current_device()).manual_seed(int(seed))
+
+    def manual_seed_all(seed: int) -> None:
+        for i in range(ext.device_count()):
+            ext.default_generator(i).manual_seed(int(seed))
+
+    return {
+        "manual_seed": manual_seed,
+        "manual_seed_all": manual_seed_all,
+        "seed": lambda: manual_seed(torch.seed()),
+        "seed_all": lambda: manual_seed_all(torch.seed()),
+        "initial_seed": lambda: ext.default_generator(ext.current_device()).initial_seed(),
+        "get_rng_state": lambda device=None: ext.default_generator(index(device)).get_state(),
+        "set_rng_state": lambda state, device=None: ext.default_generator(index(device)).set_state(state),
+        "get_rng_state_all": lambda: [
+            ext.default_generator(i).get_state() for i in range(ext.device_count())
+        ],
+        "set_rng_state_all": lambda states: [
+            ext.default_generator(i).set_state(s) for i, s in enumerate(states)
+        ],
+        "default_generators": tuple(ext.default_generator(i) for i in range(ext.device_count())),
+    }
+
+
+def _memory_functions(name: str, index: Callable[[Any], int]) -> dict[str, Any]:
+    """The device module's memory statistics, from ``torch.accelerator``'s."""
+
+    def stats(device: Any = None) -> dict[str, Any]:
+        return torch.accelerator.memory_stats(torch.device(name, index(device)))
+
+    return {
+        "memory_allocated": lambda device=None: stats(device).get("allocated_bytes.all.current", 0),
+        "max_memory_allocated": lambda device=None: stats(device).get("allocated_bytes.all.peak", 0),
+        "memory_reserved": lambda device=None: stats(device).get("reserved_bytes.all.current", 0),
+        "max_memory_reserved": lambda device=None: stats(device).get("reserved_bytes.all.peak", 0),
+        "memory_stats": stats,
+        "reset_peak_memory_stats": lambda device=None: torch.accelerator.reset_peak_memory_stats(
+            torch.device(name, index(device))
+        ),
+        "mem_get_info": lambda device=None: torch.accelerator.get_memory_info(
+            torch.device(name, index(device))
+        ),
+        "empty_cache": lambda: None,
+    }
+
+
+def _stream_functions(ext: Any, name: str, index: Callable[[Any], int]) -> dict[str, Any]:
+    """The device module's streams and events, as ``torch.accelerator``'s."""
+
     @contextlib.contextmanager
     def stream(s: torch.Stream | None) -> Iterator[None]:
         if s is None:
@@ -170,62 +237,19 @@ def _device_module(ext: Any, name: str) -> types.ModuleType:
         finally:
             torch.accelerator.set_stream(previous)
 
-    functions = {
-        "is_available": lambda: True,
-        "is_initialized": lambda: True,
-        "_is_in_bad_fork": lambda: False,
-        "_lazy_init": lambda: None,
-        "device_count": ext.device_count,
-        "current_device": ext.current_device,
-        "set_device": lambda device: ext.set_device(_index(device)),
-        "synchronize": synchronize,
-        "manual_seed": manual_seed,
-        "manual_seed_all": manual_seed_all,
-        "seed": lambda: manual_seed(torch.seed()),
-        "seed_all": lambda: manual_seed_all(torch.seed()),
-        "initial_seed": lambda: ext.default_generator(ext.current_device()).initial_seed(),
-        "get_rng_state": lambda device=None: ext.default_generator(_index(device)).get_state(),
-        "set_rng_state": lambda state, device=None: ext.default_generator(_index(device)).set_state(state),
-        "get_rng_state_all": lambda: [
-            ext.default_generator(i).get_state() for i in range(ext.device_count())
-        ],
-        "set_rng_state_all": lambda states: [
-            ext.default_generator(i).set_state(s) for i, s in enumerate(states)
-        ],
-        "default_generators": tuple(ext.default_generator(i) for i in range(ext.device_count())),
-        "memory_allocated": lambda device=None: stats(device).get("allocated_bytes.all.current", 0),
-        "max_memory_allocated": lambda device=None: stats(device).get("allocated_bytes.all.peak", 0),
-        "memory_reserved": lambda device=None: stats(device).get("reserved_bytes.all.current", 0),
-        "max_memory_reserved": lambda device=None: stats(device).get("reserved_bytes.all.peak", 0),
-        "memory_stats": stats,
-        "reset_peak_memory_stats": lambda device=None: torch.accelerator.reset_peak_memory_stats(
-            torch.device(name, _index(device))
-        ),
-        "mem_get_info": lambda device=None: torch.accelerator.get_memory_info(
-            torch.device(name, _index(device))
-        ),
-        "empty_cache": lambda: None,
+    return {
         "Stream": lambda device=None, priority=0, **kwargs: torch.Stream(
-            device=torch.device(name, _index(device)), priority=priority
+            device=torch.device(name, index(device)), priority=priority
         ),
         "Event": lambda enable_timing=False, blocking=False, interprocess=False: torch.Event(
             device=torch.device(name, ext.current_device()), enable_timing=enable_timing
         ),
         "current_stream": lambda device=None: torch.accelerator.current_stream(
-            torch.device(name, _index(device))
+            torch.device(name, index(device))
         ),
         "default_stream": lambda device=None: torch.accelerator.current_stream(
-            torch.device(name, _index(device))
+            torch.device(name, index(device))
         ),
         "stream": stream,
         "set_stream": torch.accelerator.set_stream,
-        "device": device,
-        "get_device_name": lambda device=None: f"portatrain sim ({name}, CPU kernels)",
-        # torch.autocast asks the device module which dtypes it may cast to.
-        "get_amp_supported_dtype": lambda: [torch.float16, torch.bfloat16],
-        "is_bf16_supported": lambda including_emulation=True: True,
     }
-    for key, value in functions.items():
-        if value is not None:
-            setattr(module, key, value)
-    return module
