@@ -23,6 +23,7 @@ from omegaconf import DictConfig, open_dict
 from portatrain.accelerators.cpu import CPUAccelerator
 from portatrain.cli import config_dir
 from portatrain.config import register_configs
+from portatrain.launch.moved_keys import apply_moved_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,6 +87,7 @@ def compose_config(overrides: list[str], run_dir: Path | None = None) -> DictCon
     register_configs()
     with initialize_config_dir(config_dir=config_dir(), version_base=None):
         cfg = compose("config", overrides=overrides)
+    apply_moved_keys(cfg)  # as the CLI does: parallel.launch.X is launch.X
     if run_dir is not None:
         with open_dict(cfg):
             cfg.run_dir = str(run_dir)

@@ -350,17 +350,17 @@ def test_export_on_a_full_or_read_only_disk_leaves_nothing(
 
 # -- render / submit / parity --------------------------------------------------------------------------
 def test_render_refuses_a_time_slurm_does_not_read(tmp_path: Path, capsys) -> None:
-    status, err = run(["render", *TINY, "parallel.launch.time=forever"], capsys)
-    assert status == 2 and "parallel.launch.time='forever' is not a SLURM time limit" in err, err
+    status, err = run(["render", *TINY, "launch.time=forever"], capsys)
+    assert status == 2 and "launch.time='forever' is not a SLURM time limit" in err, err
     for good in ("90", "90:30", "24:00:00", "2-12", "2-12:30", "2-12:30:15", "UNLIMITED"):
-        status, err = run(["render", *TINY, f"parallel.launch.time={good}"], capsys)
+        status, err = run(["render", *TINY, f"launch.time={good}"], capsys)
         assert status == 0 and f"#SBATCH --time={good}\n" in capsys.readouterr().out, (good, err)
     nothing_left(tmp_path)
 
 
 def test_render_output_under_a_file_is_one_line(tmp_path: Path, capsys) -> None:
     (tmp_path / "file").write_text("mine")
-    status, err = run(["render", *TINY, "parallel.launch.output=file/job.sbatch"], capsys)
+    status, err = run(["render", *TINY, "launch.output=file/job.sbatch"], capsys)
     assert status == 2 and "file: a file is there, where a directory belongs" in one_line_error(err, "render")
     nothing_left(tmp_path, "file")
 

@@ -320,7 +320,7 @@ def test_fault_tolerance_renders_only_pytorchjobs_on_kubernetes() -> None:
             *FT_JOB,
         ]
     )
-    with pytest.raises(ConfigError, match="set parallel.launch.scheduler=pytorchjob device=cuda"):
+    with pytest.raises(ConfigError, match="set launch.scheduler=pytorchjob device=cuda"):
         render_job(cfg, [])
 
 

@@ -135,7 +135,7 @@ def _cfg(overrides: list[str], **launch: Any):
     cfg = compose_config(overrides)
     launch.setdefault("volume_claim", "training-runs")
     for key, value in launch.items():
-        cfg.parallel.launch[key] = value
+        cfg.launch[key] = value
     return cfg
 
 
@@ -212,7 +212,7 @@ def test_pytorchjob_for_gpus_requests_gpus_and_says_whether_it_has_efa() -> None
     resources = specs["Master"]["template"]["spec"]["containers"][0]["resources"]
     assert resources["limits"] == {"nvidia.com/gpu": 8}
     multi = [*base, "parallel.launch.image=img:1", "parallel.launch.nodes=2"]
-    with pytest.raises(ConfigError, match=r"2-node GPU job needs RDMA .* set parallel.launch.efa=N"):
+    with pytest.raises(ConfigError, match=r"2-node GPU job needs RDMA .* set launch.efa=N"):
         render_job(_cfg(multi), multi)
     manifest, _ = _render(multi, efa=32)
     resources = manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0][
@@ -271,7 +271,7 @@ def test_tpu7x_counts_two_devices_per_chip_and_selectors_must_match_the_topology
     assert "tpu_topology=4x4 is 2-D, but tpu_accelerator=tpu-v5p-slice slices are 3-D" in str(err.value)
     assert "tpu-v5-lite-podslice, tpu-v6e-slice" in str(err.value)
     v6e = [*TPU, "parallel.launch.tpu_topology=4x4", "parallel.launch.tpu_accelerator=tpu-v6e-slice"]
-    with pytest.raises(ConfigError, match=r"is 4 host\(s\) x 4 chip\(s\) .* set parallel.launch.nodes=4"):
+    with pytest.raises(ConfigError, match=r"is 4 host\(s\) x 4 chip\(s\) .* set launch.nodes=4"):
         render_job(_cfg(v6e), v6e)
 
 
@@ -297,7 +297,7 @@ def test_kubernetes_problems_are_reported_together() -> None:
     with pytest.raises(ConfigError) as err:
         render_job(_cfg(overrides, volume_claim=None), overrides)
     message = str(err.value)
-    assert "needs a container image: set parallel.launch.image=" in message
+    assert "needs a container image: set launch.image=" in message
     assert "needs shared storage for its run directory" in message and "volume_claim=CLAIM" in message
     assert "renders a TPU slice, but device=cuda" in message
     assert "is 2 host(s) x 4 chip(s) x 1 device(s) per chip, but nodes=2 and procs_per_node=8" in message

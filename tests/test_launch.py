@@ -131,7 +131,7 @@ def test_submit_reports_a_rejection_with_the_schedulers_reason(tmp_path: Path) -
         "account/partition combination specified' >&2\nexit 1\n",
     )
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    out = run_cli(["submit", "parallel.launch.account=nope"], cwd=tmp_path, env=env)
+    out = run_cli(["submit", "launch.account=nope"], cwd=tmp_path, env=env)
     assert out.returncode == 2
     assert out.stderr.strip() == (
         "portatrain submit: error: the scheduler rejected the job (`sbatch --parsable` exited with 1): "

@@ -90,7 +90,7 @@ def test_separate_run_directories_stop_both_agents_with_the_shared_storage_messa
         assert f"rank {rank}: the run directory is not shared by all ranks: rank 0 on " in output
     assert f"rank 1 on {os.uname().nodename} looked in {pods[1] / 'runs/debug/job'}" in output
     assert str(pods[0] / "runs/debug/job") in output
-    assert "parallel.launch.volume_claim=CLAIM" in output
+    assert "launch.volume_claim=CLAIM" in output
     # Rank 0's marker is gone again: the run directory holds nothing of the check.
     assert list((pods[0] / "runs" / "debug" / "job").iterdir()) == []
 

@@ -73,11 +73,11 @@ def test_cli_prints_the_layout_error_without_a_traceback(tmp_path: Path) -> None
 def test_world_size_outside_torchrun_comes_from_the_job_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = compose_config(["parallel.launch.nodes=4", "parallel.launch.procs_per_node=8"])
-    assert expected_world_size(cfg.parallel) == 32
+    assert expected_world_size(cfg.parallel, cfg.launch) == 32
     cfg = compose_config(["dry_run=true", "parallel.dp_shard=8", "parallel.tp=8"])
-    assert expected_world_size(cfg.parallel, dry_run=True) == 64  # a plan, not a launch
+    assert expected_world_size(cfg.parallel, cfg.launch, dry_run=True) == 64  # a plan, not a launch
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert expected_world_size(cfg.parallel, dry_run=True) == 2
+    assert expected_world_size(cfg.parallel, cfg.launch, dry_run=True) == 2
 
 
 def test_dry_run_of_llama70b_plans_a_tp_x_dp_layout_without_processes(

@@ -83,7 +83,7 @@ def _submit(
     With ``step_sleep``, the job runs ``tests.slurm_trainer`` (see the module docstring)."""
     cfg = compose_config([*overrides, *shape, f"parallel.launch.rdzv_port={free_port()}"])
     for key, value in launch.items():
-        cfg.parallel.launch[key] = value
+        cfg.launch[key] = value
     script = render_sbatch(cfg, job_overrides(overrides), workdir=str(workdir))
     if step_sleep is not None:
         assert "    -m portatrain " in script

@@ -145,7 +145,7 @@ def test_wandb_offline_run_continues_after_resume_with_config_redacted(
     assert logged == {r["step"]: pytest.approx(r["loss"]) for r in train_records(tmp_path)}
     assert {"train/lr", "train/tokens_per_s", "memory/memory_peak_bytes"} <= set(first[4])
 
-    assert json.loads(config["parallel"])["launch"]["env"]["WANDB_API_KEY"] == "***"
+    assert json.loads(config["launch"])["env"]["WANDB_API_KEY"] == "***"
     assert json.loads(config["trainer"])["steps"] == 4 and json.loads(config["recipe"]) == "debug"
     assert _files_holding(tmp_path / "wandb", b"topsecret") == []
     # The command line is recorded, with the secret's value hidden.
@@ -243,7 +243,7 @@ def test_mlflow_server_receives_metrics_and_redacted_config_and_a_resume_continu
     assert {"train/lr", "train/grad_norm", "memory/memory_peak_bytes"} <= set(run.data.metrics)
 
     params = run.data.params
-    assert params["parallel.launch.env.WANDB_API_KEY"] == "***"
+    assert params["launch.env.WANDB_API_KEY"] == "***"
     assert params["recipe"] == "debug" and params["data.seq_len"] == "64"
     assert params["trainer.steps"] == "4"  # MLflow keeps a param's first value; the resume added none
     assert not [k for k, v in params.items() if "topsecret" in v]

@@ -42,6 +42,8 @@ from portatrain.commands import (
 )
 from portatrain.config import register_configs
 from portatrain.errors import ConfigError, UserError, file_system_error
+from portatrain.launch.moved_keys import apply_moved_keys, is_moved
+from portatrain.launch.moved_keys import warning as moved_keys_warning
 from portatrain.redact import redact, redact_text, redacted_yaml
 
 
@@ -173,26 +175,39 @@ def _redacted_config_printing() -> Iterator[None]:
 
 
 @contextmanager
-def _checked_override_keys() -> Iterator[None]:
+def _checked_override_keys(command: str) -> Iterator[None]:
     """A ``KEY=VALUE`` (or ``+KEY=VALUE``) override whose key is not in the typed schema is one line
     naming the nearest key that is, exit 2 -- not Hydra's error, whose hint ("To append to your config
     use +trainer.stepz=50") would add the misspelled key, train with the default and record the typo
     in ``config.yaml``. ``+`` still adds keys where the schema has an open mapping
-    (``+parallel.launch.env.NAME=VALUE``), and Hydra's own keys (``hydra.*``) are Hydra's business.
+    (``+launch.env.NAME=VALUE``), and Hydra's own keys (``hydra.*``) are Hydra's business.
+
+    Then the launch settings' old spelling (``parallel.launch.nodes``), from a recipe or the command
+    line, is applied as the new one (``launch.nodes``, ``portatrain.launch.moved_keys``), with one
+    warning line per run (rank 0's) naming both.
 
     Hydra 1.3 applies command-line overrides in ``ConfigLoaderImpl._apply_overrides_to_config``
-    (hydra/_internal/config_loader_impl.py) with no hook, so it is wrapped while Hydra runs, as
-    :func:`_redacted_config_printing` wraps the printing."""
+    (hydra/_internal/config_loader_impl.py), the last step of composing, with no hook, so it is
+    wrapped while Hydra runs, as :func:`_redacted_config_printing` wraps the printing."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
     original = ConfigLoaderImpl._apply_overrides_to_config
+    warned = False  # Hydra composes more than once in a sweep (-m): one warning for the whole run
 
     def checked(overrides: list[Any], cfg: DictConfig) -> None:
+        nonlocal warned
         for override in overrides:  # one at a time: an earlier override may add a key a later one sets
             problem = _unknown_key_problem(override, cfg)
             if problem is not None:
                 raise _Abort(ConfigError(problem))
             original([override], cfg)
+        try:
+            moved = apply_moved_keys(cfg)
+        except ConfigError as exc:
+            raise _Abort(exc) from None
+        if moved and not warned and os.environ.get("RANK", "0") == "0":
+            print(f"portatrain {command}: warning: {moved_keys_warning(moved)}", file=sys.stderr)
+            warned = True
 
     ConfigLoaderImpl._apply_overrides_to_config = staticmethod(checked)  # type: ignore[method-assign]
     try:
@@ -214,14 +229,14 @@ def _unknown_key_problem(override: Any, cfg: DictConfig) -> str | None:
     parent_key = key.rpartition(".")[0]
     parent = OmegaConf.select(cfg, parent_key) if _holds(tree, parent_key) else None
     if isinstance(parent, DictConfig) and OmegaConf.get_type(parent) is dict:
-        return None  # an open mapping (parallel.launch.env): `+` adds there, as Hydra's hint says
+        return None  # an open mapping (launch.env): `+` adds there, as Hydra's hint says
     line = redact_text(override.input_line)
     nearest = _nearest_key(tree, key)
     hint = f"did you mean {nearest}?" if nearest else "`portatrain --help` lists every key"
     if override.is_add() or override.is_force_add():
         return (
             f"{line}: {key} is not a key of the config, and `+` adds a key only to an open mapping "
-            f"(parallel.launch.env), not to the typed schema; {hint}"
+            f"(launch.env), not to the typed schema; {hint}"
         )
     return f"{line}: {key} is not a key of the config; {hint}"
 
@@ -241,8 +256,8 @@ def _holds(tree: Any, key: str) -> bool:
 def _nearest_key(tree: dict[str, Any], key: str) -> str | None:
     """The key ``key`` was most likely meant to be: a close name beside it (``trainer.stepz`` ->
     ``trainer.steps``), the same name in another section (``trainer.lr`` -> ``optim.lr``), else the
-    closest dotted key (``trainr.steps`` -> ``trainer.steps``)."""
-    keys = _dotted_keys(tree)
+    closest dotted key (``trainr.steps`` -> ``trainer.steps``); never a key's old spelling."""
+    keys = [k for k in _dotted_keys(tree) if not is_moved(k)]
     parent, _, name = key.rpartition(".")
     siblings = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent]
     close = difflib.get_close_matches(name, siblings, n=1)
@@ -327,7 +342,7 @@ def main(trainer_cls: type | None = None, argv: list[str] | None = None) -> None
             _remove_if_empty(HydraConfig.get().runtime.output_dir)
 
     app = hydra.main(config_path=config_dir(), config_name="config", version_base=None)(portatrain)
-    with _redacted_config_printing(), _checked_override_keys():
+    with _redacted_config_printing(), _checked_override_keys(command):
         _report_user_errors(command, app)
 
 

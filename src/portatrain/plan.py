@@ -57,7 +57,7 @@ def estimate_for_config(
     args = model_args(cfg.model) if args is None else args
     par = cfg.parallel
     # Planned for the world the layout names (dp_shard=8 tp=8: 64 devices), nothing launched.
-    world = world_size if world_size is not None else expected_world_size(par, dry_run=True)
+    world = world_size if world_size is not None else expected_world_size(par, cfg.launch, dry_run=True)
     dims = ParallelDims.from_config(par, world_size=world)
     mixed = training_dtype(cfg.trainer.dtype, cfg.device.type) == torch.bfloat16
     dispatch = moe_dispatch(cfg.model, static_shapes=static_shapes(cfg.device.type))
@@ -108,7 +108,7 @@ def describe_plan(cfg: Config) -> str:
         experts += f" (capacity_factor {cfg.model.capacity_factor})"
 
     par = cfg.parallel
-    dims = ParallelDims.from_config(par, world_size=expected_world_size(par, dry_run=True))
+    dims = ParallelDims.from_config(par, world_size=expected_world_size(par, cfg.launch, dry_run=True))
     mixed = training_dtype(cfg.trainer.dtype, cfg.device.type) == torch.bfloat16
     estimate = estimate_for_config(cfg)
     custom = {k: getattr(cfg.model, k) for k in (*ARCH_OVERRIDES, "vocab_size")}

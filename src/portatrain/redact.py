@@ -2,7 +2,7 @@
 
 A run's config is written to ``<run_dir>/config.yaml`` and into every checkpoint, launch templates
 render it into job files, and ``--cfg job`` prints it -- all readable by whoever reads the run
-directory or the log. Secrets do reach the config (``+parallel.launch.env.HF_TOKEN=...``, a W&B key),
+directory or the log. Secrets do reach the config (``+launch.env.HF_TOKEN=...``, a W&B key),
 so everything that writes a config to disk or to a log goes through :func:`redact` /
 :func:`redacted_yaml`; the structure and every other value stay as they are. Two rules, either one
 enough:
@@ -85,7 +85,7 @@ _ASSIGNMENT = re.compile(
 
 
 def is_secret_key(key: object) -> bool:
-    """Whether a config key (``HF_TOKEN``, ``parallel.launch.env.GITHUB_PAT``) names a secret."""
+    """Whether a config key (``HF_TOKEN``, ``launch.env.GITHUB_PAT``) names a secret."""
     if not isinstance(key, str):
         return False
     spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", key.rsplit(".", 1)[-1])  # camelCase -> camel_Case

@@ -94,7 +94,7 @@ def _message(main: tuple[int, str, str, bool], blind: list[tuple[int, str, str, 
         "collectively into the run directory, so the first save would hang. Put run_dir on storage "
         "every host mounts at the same path: on SLURM a shared filesystem (submit from a directory on "
         "it, or set run_dir=/shared/path/...); on Kubernetes a ReadWriteMany volume "
-        "(parallel.launch.volume_claim=CLAIM; the run directory is then placed on it)."
+        "(launch.volume_claim=CLAIM; the run directory is then placed on it)."
     )
 
 

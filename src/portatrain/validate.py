@@ -24,6 +24,7 @@ from portatrain.export import export_problems
 from portatrain.fault_tolerance import fault_tolerance_problems
 from portatrain.finetune import finetune_problems
 from portatrain.kernels import config_problems as kernel_problems
+from portatrain.launch import shape_problems
 from portatrain.losses import loss_problems
 from portatrain.metrics import metrics_problems
 from portatrain.models import get_spec, model_args, model_problems
@@ -103,14 +104,17 @@ def config_problems(cfg: Config) -> list[str]:
             "equal-size expert buffers between them; use one row length (data.collator=packing or "
             "pad_to_max) or model.moe_dispatch=dropless"
         )
-    problems += parallel_problems(
-        cfg.parallel,
-        world_size=expected_world_size(cfg.parallel, dry_run=bool(cfg.dry_run)),
-        model_args=args,
-        row_lengths=lengths,
-        row_key=row_key,
-        model_name=f"{cfg.model.name} flavour {cfg.model.flavor!r}",
-    )
+    shape = shape_problems(cfg.launch)
+    problems += shape
+    if not shape:  # the layout is checked against the job's nodes * procs_per_node processes
+        problems += parallel_problems(
+            cfg.parallel,
+            world_size=expected_world_size(cfg.parallel, cfg.launch, dry_run=bool(cfg.dry_run)),
+            model_args=args,
+            row_lengths=lengths,
+            row_key=row_key,
+            model_name=f"{cfg.model.name} flavour {cfg.model.flavor!r}",
+        )
     if args is not None:  # the layouts the family's parallel plan cannot apply
         problems += get_spec(cfg.model.name).parallel_problems(cfg.parallel, args)
     problems += pipeline_problems(

@@ -5,8 +5,8 @@ from __future__ import annotations
 from portatrain.commands import CommandContext
 from portatrain.config import Config
 
-SECTIONS = ("parallel", "fault_tolerance")
-EXAMPLE = "portatrain submit device=cpu parallel.dp_shard=2 parallel.launch.nodes=1 parallel.launch.procs_per_node=2"
+SECTIONS = ("launch", "parallel", "fault_tolerance")
+EXAMPLE = "portatrain submit device=cpu parallel.dp_shard=2 launch.nodes=1 launch.procs_per_node=2"
 
 
 def run(cfg: Config, ctx: CommandContext) -> None:

@@ -64,6 +64,8 @@ def options(prefix: str, cls: type) -> list[tuple[str, str, str]]:
     rows = []
     docs = _field_docs(cls)
     for f in dataclasses.fields(cls):
+        if "moved_to" in f.metadata:  # a deprecated spelling (portatrain.launch.moved_keys): not offered
+            continue
         key = f"{prefix}.{f.name}" if prefix else f.name
         value = _default(f)
         if dataclasses.is_dataclass(value):

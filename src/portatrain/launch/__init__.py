@@ -1,7 +1,7 @@
 """Job submission: render the same ``portatrain ...`` command as a multi-host job for a scheduler.
 
-``portatrain render [overrides]`` prints (or writes to ``parallel.launch.output``) a job for
-``parallel.launch.scheduler`` and writes nothing else; ``portatrain submit [overrides]`` hands it to
+``portatrain render [overrides]`` prints (or writes to ``launch.output``) a job for
+``launch.scheduler`` and writes nothing else; ``portatrain submit [overrides]`` hands it to
 the scheduler's own CLI (``sbatch``, ``kubectl create -f``) and prints the job's id, the run
 directory it will write and the command that follows its log. Every host runs one ``torchrun``
 agent that starts ``procs_per_node`` workers.
@@ -18,7 +18,7 @@ A scheduler-launched run continues after preemption: the job's command carries
 directory is the job's own (named after the SLURM job id or the Kubernetes job name), so a requeued
 or restarted job finds its own newest checkpoint and nothing else.
 
-The job's training command carries the user's overrides unchanged, minus the ``parallel.launch.*``
+The job's training command carries the user's overrides unchanged, minus the ``launch.*``
 ones that only shape the job. The layout (``dp_replicate x dp_shard x tp``) was validated against
 ``nodes * procs_per_node`` before anything is rendered.
 """
@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from portatrain.config import LaunchConfig
 from portatrain.errors import ConfigError
 from portatrain.launch.job import (
     RenderedJob,
@@ -47,18 +48,33 @@ from portatrain.launch.job import (
 )
 from portatrain.redact import find_secrets, is_secret
 
+SCHEDULERS = ("slurm", "jobset", "pytorchjob")
+"""What ``launch.scheduler`` may name: the job kinds ``portatrain render`` writes."""
+
+
+def shape_problems(launch: LaunchConfig) -> list[str]:
+    """The job shape's problems, checked for every command (``portatrain.validate``): the parallel
+    layout is checked against ``nodes * procs_per_node`` processes, so these come first."""
+    found = []
+    if launch.scheduler not in SCHEDULERS:
+        found.append(f"launch.scheduler={launch.scheduler!r} is not one of {', '.join(SCHEDULERS)}")
+    for name in ("nodes", "procs_per_node"):
+        if getattr(launch, name) < 1:
+            found.append(f"launch.{name}={getattr(launch, name)} must be >= 1")
+    return found
+
 
 def launch_problems(cfg: Any) -> list[str]:
     """Scheduler-specific problems of ``cfg`` (the layout itself is checked by ``validate``)."""
     from portatrain.launch import kubernetes, slurm
 
-    launch = cfg.parallel.launch
+    launch = cfg.launch
     found = []
     grace = launch.save_grace
     if not isinstance(grace, int) or grace < 1:
         found.append(
-            f"parallel.launch.save_grace={grace!r} must be a whole number of seconds >= 1 (the time a "
-            "checkpoint save needs; e.g. parallel.launch.save_grace=180)"
+            f"launch.save_grace={grace!r} must be a whole number of seconds >= 1 (the time a "
+            "checkpoint save needs; e.g. launch.save_grace=180)"
         )
     if launch.scheduler == "slurm":
         found += slurm.problems(cfg)
@@ -68,26 +84,26 @@ def launch_problems(cfg: Any) -> list[str]:
 
 
 def render_job(cfg: Any, overrides: Sequence[str]) -> RenderedJob:
-    """Render ``cfg``'s job for ``parallel.launch.scheduler``; raise ConfigError listing every problem."""
+    """Render ``cfg``'s job for ``launch.scheduler``; raise ConfigError listing every problem."""
     from portatrain.launch import kubernetes, slurm
 
     problems = launch_problems(cfg)
     if problems:
         raise ConfigError("cannot render the job:\n  - " + "\n  - ".join(problems))
-    scheduler = cfg.parallel.launch.scheduler
+    scheduler = cfg.launch.scheduler
     if scheduler == "slurm":
         text = slurm.render_sbatch(cfg, job_overrides(overrides))
         job = RenderedJob(text, "job.sbatch", ("sbatch",), name=job_name(cfg))
     else:
         job = kubernetes.render(cfg, overrides)
-    # parallel.launch.env secrets stay out of the file (see slurm/kubernetes); a credential anywhere
+    # launch.env secrets stay out of the file (see slurm/kubernetes); a credential anywhere
     # else (an override, a setup line) would be written into it: refuse, say where secrets belong.
     leaked = find_secrets(job.text)
     if leaked:
         raise ConfigError(
             f"the rendered {scheduler} job would hold {len(leaked)} credential(s) (a token, key or "
-            "password) from the overrides or parallel.launch.setup; pass a secret as "
-            "+parallel.launch.env.NAME=VALUE instead: the job reads it from the submitting environment "
+            "password) from the overrides or launch.setup; pass a secret as "
+            "+launch.env.NAME=VALUE instead: the job reads it from the submitting environment "
             "(or a Kubernetes Secret), never from the file"
         )
     return job
@@ -114,11 +130,11 @@ def _discard_empty_run_dir(cfg: Any, overrides: Sequence[str]) -> None:
 
 
 def render_command(cfg: Any, overrides: Sequence[str]) -> None:
-    """``portatrain render``: print the job, or write it to ``parallel.launch.output``; nothing else."""
+    """``portatrain render``: print the job, or write it to ``launch.output``; nothing else."""
     job = render_job(cfg, overrides)
     _discard_empty_run_dir(cfg, overrides)
-    if cfg.parallel.launch.output:
-        path = Path(cfg.parallel.launch.output)
+    if cfg.launch.output:
+        path = Path(cfg.launch.output)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(job.text)
         print(f"wrote {path}; submit it with: {shlex.join([*job.submit_command, str(path)])}")
@@ -129,7 +145,7 @@ def render_command(cfg: Any, overrides: Sequence[str]) -> None:
 def _scheduler_cli(cfg: Any, tool: str) -> None:
     if shutil.which(tool) is None:
         raise SubmitError(
-            f"parallel.launch.scheduler={cfg.parallel.launch.scheduler} submits with `{tool}`, which is not "
+            f"launch.scheduler={cfg.launch.scheduler} submits with `{tool}`, which is not "
             f"on PATH here; run `portatrain render` instead and submit the file where `{tool}` is installed"
         )
 
@@ -138,14 +154,14 @@ def submit_command(cfg: Any, overrides: Sequence[str]) -> SubmittedJob:
     """``portatrain submit``: hand the job to the scheduler's CLI (which must be on ``PATH``), then
     print the job id, the run directory the job will write and the command that follows its log.
 
-    The job file is written to ``parallel.launch.output`` when set, and always copied into the run
+    The job file is written to ``launch.output`` when set, and always copied into the run
     directory (``job.sbatch`` / ``job.yaml``) once that is known. A rejection by the scheduler is one
     :class:`SubmitError` carrying the scheduler's reason.
     """
     job = render_job(cfg, overrides)
     _scheduler_cli(cfg, job.submit_command[0])
     _discard_empty_run_dir(cfg, overrides)
-    if cfg.parallel.launch.scheduler == "slurm":
+    if cfg.launch.scheduler == "slurm":
         submitted = _submit_slurm(cfg, overrides, job)
     else:
         from portatrain.launch import kubernetes
@@ -179,12 +195,12 @@ def _submit_slurm(cfg: Any, overrides: Sequence[str], job: RenderedJob) -> Submi
     from portatrain.launch.slurm import log_file, parse_job_id
 
     argv = ["sbatch", "--parsable"]
-    # Secrets in parallel.launch.env are not in the script (see slurm._export_line): sbatch hands its
+    # Secrets in launch.env are not in the script (see slurm._export_line): sbatch hands its
     # own environment to the job, so they travel there, in this process's environment only.
-    secrets = {k: str(v) for k, v in cfg.parallel.launch.env.items() if is_secret(k, str(v))}
+    secrets = {k: str(v) for k, v in cfg.launch.env.items() if is_secret(k, str(v))}
     env = {**os.environ, **secrets} if secrets else None
-    if cfg.parallel.launch.output:
-        path = Path(cfg.parallel.launch.output)
+    if cfg.launch.output:
+        path = Path(cfg.launch.output)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(job.text)
         result = _run_scheduler([*argv, str(path)], env=env)
@@ -207,6 +223,7 @@ def _submit_slurm(cfg: Any, overrides: Sequence[str], job: RenderedJob) -> Submi
 
 
 __all__ = [
+    "SCHEDULERS",
     "RenderedJob",
     "SubmitError",
     "SubmittedJob",
@@ -217,6 +234,7 @@ __all__ = [
     "override_value",
     "render_command",
     "render_job",
+    "shape_problems",
     "submit_command",
     "torchrun_args",
     "training_overrides",

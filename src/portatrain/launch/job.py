@@ -43,8 +43,8 @@ class SubmittedJob:
 
 
 def job_name(cfg: Any) -> str:
-    """``parallel.launch.job_name`` or ``portatrain-<recipe>``, lower-case letters, digits and ``-``."""
-    name = cfg.parallel.launch.job_name or f"portatrain-{cfg.recipe}"
+    """``launch.job_name`` or ``portatrain-<recipe>``, lower-case letters, digits and ``-``."""
+    name = cfg.launch.job_name or f"portatrain-{cfg.recipe}"
     return "".join(c if c.isalnum() or c == "-" else "-" for c in name.lower()).strip("-")[:50]
 
 
@@ -52,7 +52,7 @@ def describe_job(cfg: Any) -> str:
     """One line for a job file's header: recipe, hosts, processes and the resolved layout."""
     from portatrain.parallel.parallel_dims import ParallelDims
 
-    launch = cfg.parallel.launch
+    launch = cfg.launch
     dims = ParallelDims.from_config(cfg.parallel, world_size=launch.nodes * launch.procs_per_node)
     return (
         f"recipe {cfg.recipe}, {launch.nodes} node(s) x {launch.procs_per_node} process(es), "
@@ -93,8 +93,9 @@ def override_value(overrides: Sequence[str], key: str) -> str | None:
 
 
 def training_overrides(overrides: Sequence[str]) -> list[str]:
-    """The overrides the training processes need: all but ``parallel.launch.*`` (job shape only)."""
-    return [o for o in overrides if not _key(o).startswith("parallel.launch.")]
+    """The overrides the training processes need: all but ``launch.*`` (job shape only), in either
+    spelling (``parallel.launch.*`` is the deprecated one, ``portatrain.launch.moved_keys``)."""
+    return [o for o in overrides if not _key(o).startswith(("launch.", "parallel.launch."))]
 
 
 def job_overrides(overrides: Sequence[str], *, run_dir: str | None = None) -> list[str]:

@@ -7,7 +7,7 @@ both are built to survive a real cluster:
   random>``, at most 45 characters (JobSet's pod names ``<name>-workers-0-<i>-<5>`` stay within 63),
   DNS-1035 (a letter first). ``submit`` uses ``kubectl create``, so a name clash is an error, never an
   update of a running job.
-* **Shared storage.** ``parallel.launch.volume_claim`` names a ReadWriteMany PersistentVolumeClaim,
+* **Shared storage.** ``launch.volume_claim`` names a ReadWriteMany PersistentVolumeClaim,
   mounted on every pod at ``volume_mount``; the run directory is ``<volume_mount>/runs/<recipe>/<name>``
   on it (the job's command carries ``run_dir=``), so it follows the job. The trainer checks at
   start-up that every rank sees it (``portatrain.rundir``).
@@ -41,7 +41,7 @@ trn2.48xlarge at the default LNC=2 (4 per Trainium2 chip); the pod requests chip
 (``aws.amazon.com/neuron``) and, multi-node, the instance's 16 EFA interfaces (AWS Neuron docs:
 ``deploy/eks``, the trn2 node-group template of aws-neuron-eks-samples). GPU (``device=cuda``):
 ``nvidia.com/gpu`` per process; a multi-node GPU job must say whether it has EFA
-(``parallel.launch.efa``).
+(``launch.efa``).
 
 Fault tolerance (``fault_tolerance.enabled=true``, ``portatrain.fault_tolerance``; GPU ``pytorchjob``
 only, torchft's process groups being gloo and NCCL): one PyTorchJob per replica group
@@ -133,7 +133,7 @@ def is_dns1035(name: str, max_length: int = 63) -> bool:
 
 def run_dir_for(cfg: Any, name: str) -> str:
     """The run directory of job ``name``: on the shared volume, named after the job."""
-    mount = str(cfg.parallel.launch.volume_mount).rstrip("/")
+    mount = str(cfg.launch.volume_mount).rstrip("/")
     return f"{mount}/runs/{cfg.recipe}/{name}"
 
 
@@ -142,58 +142,58 @@ def _tpu_layout(accelerator: str, topology: str) -> tuple[int, int, int] | str:
     """(hosts, chips per host, devices per chip) of a slice, or why the pair is inconsistent."""
     if accelerator not in TPU_ACCELERATORS:
         return (
-            f"parallel.launch.tpu_accelerator={accelerator!r} is not a GKE TPU accelerator; "
+            f"launch.tpu_accelerator={accelerator!r} is not a GKE TPU accelerator; "
             f"choose one of {', '.join(TPU_ACCELERATORS)}"
         )
     dims, per_host, single_host_max, devices_per_chip = TPU_ACCELERATORS[accelerator]
     parts = str(topology).split("x")
     if not all(p.isdigit() and int(p) > 0 for p in parts):
-        return f"parallel.launch.tpu_topology={topology!r} must look like 2x2x2 (3-D) or 2x4 (2-D)"
+        return f"launch.tpu_topology={topology!r} must look like 2x2x2 (3-D) or 2x4 (2-D)"
     if len(parts) != dims:
         fitting = [a for a, spec in TPU_ACCELERATORS.items() if spec[0] == len(parts)]
         return (
-            f"parallel.launch.tpu_topology={topology} is {len(parts)}-D, but "
-            f"tpu_accelerator={accelerator} slices are {dims}-D; set parallel.launch.tpu_accelerator to "
+            f"launch.tpu_topology={topology} is {len(parts)}-D, but "
+            f"tpu_accelerator={accelerator} slices are {dims}-D; set launch.tpu_accelerator to "
             f"one of {', '.join(fitting)}, or a {dims}-D topology"
         )
     chips = math.prod(int(p) for p in parts)
     if chips <= single_host_max:
         return 1, chips, devices_per_chip
     if chips % per_host:
-        return f"parallel.launch.tpu_topology={topology} has {chips} chips, not a multiple of {per_host} per host"
+        return f"launch.tpu_topology={topology} has {chips} chips, not a multiple of {per_host} per host"
     return chips // per_host, per_host, devices_per_chip
 
 
 def problems(cfg: Any) -> list[str]:
     """Everything that keeps ``cfg`` from rendering as a Kubernetes job, each with its fix."""
-    launch = cfg.parallel.launch
+    launch = cfg.launch
     found = []
     if not launch.image:
         found.append(
-            f"parallel.launch.scheduler={launch.scheduler} needs a container image: set "
-            "parallel.launch.image=REGISTRY/IMAGE:TAG (an image with portatrain installed)"
+            f"launch.scheduler={launch.scheduler} needs a container image: set "
+            "launch.image=REGISTRY/IMAGE:TAG (an image with portatrain installed)"
         )
     if not launch.volume_claim:
         found.append(
             "a Kubernetes job needs shared storage for its run directory (checkpoints must outlive a pod "
-            "and be written by every pod): set parallel.launch.volume_claim=CLAIM, a ReadWriteMany "
+            "and be written by every pod): set launch.volume_claim=CLAIM, a ReadWriteMany "
             f"PersistentVolumeClaim in namespace {launch.namespace}"
         )
     restarts = launch.max_restarts
     if not isinstance(restarts, int) or restarts < 0:
-        found.append(f"parallel.launch.max_restarts={restarts!r} must be a whole number >= 0")
+        found.append(f"launch.max_restarts={restarts!r} must be a whole number >= 0")
     if launch.scheduler == "pytorchjob":
         found += _pytorchjob_problems(cfg)
     if cfg.fault_tolerance.enabled and launch.scheduler != "pytorchjob":
         found.append(
             f"fault_tolerance.enabled=true renders one PyTorchJob per replica group (GPU nodes), not a "
-            f"{launch.scheduler}; set parallel.launch.scheduler=pytorchjob device=cuda"
+            f"{launch.scheduler}; set launch.scheduler=pytorchjob device=cuda"
         )
     if launch.scheduler == "jobset":
         if cfg.device.type not in ("tpu", "auto"):
             found.append(
-                f"parallel.launch.scheduler=jobset renders a TPU slice, but device={cfg.device.type}; "
-                "set device=tpu, or use parallel.launch.scheduler=pytorchjob for GPU/Trainium nodes"
+                f"launch.scheduler=jobset renders a TPU slice, but device={cfg.device.type}; "
+                "set device=tpu, or use launch.scheduler=pytorchjob for GPU/Trainium nodes"
             )
         layout = _tpu_layout(launch.tpu_accelerator, launch.tpu_topology)
         if isinstance(layout, str):
@@ -206,25 +206,25 @@ def problems(cfg: Any) -> list[str]:
                     f"tpu_topology={launch.tpu_topology} on {launch.tpu_accelerator} is {hosts} host(s) x "
                     f"{chips_per_host} chip(s) x {devices_per_chip} device(s) per chip, but nodes="
                     f"{launch.nodes} and procs_per_node={launch.procs_per_node}; set "
-                    f"parallel.launch.nodes={hosts} parallel.launch.procs_per_node={devices} "
+                    f"launch.nodes={hosts} launch.procs_per_node={devices} "
                     "(one process per device)"
                 )
     return found
 
 
 def _pytorchjob_problems(cfg: Any) -> list[str]:
-    launch = cfg.parallel.launch
+    launch = cfg.launch
     found = []
     if cfg.device.type not in PYTORCHJOB_RESOURCES:
         found.append(
-            f"parallel.launch.scheduler=pytorchjob requests one accelerator per process, but device="
+            f"launch.scheduler=pytorchjob requests one accelerator per process, but device="
             f"{cfg.device.type} names none; set device=cuda (GPU nodes) or device=neuron (Trainium nodes)"
         )
     elif cfg.device.type == "neuron":
         ranks = launch.procs_per_node
         if ranks % NEURON_CORES_PER_CHIP or ranks > NEURON_RANKS_PER_INSTANCE:
             found.append(
-                f"parallel.launch.procs_per_node={ranks}: Trainium runs one process per logical NeuronCore, "
+                f"launch.procs_per_node={ranks}: Trainium runs one process per logical NeuronCore, "
                 f"{NEURON_CORES_PER_CHIP} per Trainium2 chip (LNC=2), {NEURON_RANKS_PER_INSTANCE} on a "
                 f"trn2.48xlarge; set procs_per_node={NEURON_RANKS_PER_INSTANCE} (a whole instance) or a "
                 f"multiple of {NEURON_CORES_PER_CHIP}"
@@ -232,18 +232,18 @@ def _pytorchjob_problems(cfg: Any) -> list[str]:
     elif launch.nodes > 1 and launch.efa is None:
         found.append(
             f"a {launch.nodes}-node GPU job needs RDMA for its collectives, or NCCL falls back to TCP: set "
-            f"parallel.launch.efa=N (the instance's EFA interfaces, {EFA_RESOURCE}, on EKS), or "
-            "parallel.launch.efa=0 on a cluster without EFA"
+            f"launch.efa=N (the instance's EFA interfaces, {EFA_RESOURCE}, on EKS), or "
+            "launch.efa=0 on a cluster without EFA"
         )
     efa = launch.efa
     if efa is not None and (not isinstance(efa, int) or efa < 0):
-        found.append(f"parallel.launch.efa={efa!r} must be a whole number >= 0 (EFA interfaces per pod)")
+        found.append(f"launch.efa={efa!r} must be a whole number >= 0 (EFA interfaces per pod)")
     return found
 
 
 # -- manifests ----------------------------------------------------------------------------------------
 def _efa(cfg: Any) -> int:
-    launch = cfg.parallel.launch
+    launch = cfg.launch
     efa = launch.efa
     if efa is not None:
         return int(efa)
@@ -251,9 +251,9 @@ def _efa(cfg: Any) -> int:
 
 
 def _resources(cfg: Any, accelerator: str, count: int) -> dict[str, Any]:
-    launch = cfg.parallel.launch
+    launch = cfg.launch
     extended = {accelerator: count}
-    if cfg.parallel.launch.scheduler == "pytorchjob" and _efa(cfg):
+    if cfg.launch.scheduler == "pytorchjob" and _efa(cfg):
         extended[EFA_RESOURCE] = _efa(cfg)
     requests = {
         "cpu": str(launch.cpu),
@@ -264,7 +264,7 @@ def _resources(cfg: Any, accelerator: str, count: int) -> dict[str, Any]:
 
 
 def _container(cfg: Any, name: str, script: str, resources: dict[str, Any], env: dict[str, str]) -> dict:
-    launch = cfg.parallel.launch
+    launch = cfg.launch
     all_env = {**env, **{k: str(v) for k, v in launch.env.items()}}
     container: dict[str, Any] = {
         "name": name,
@@ -297,7 +297,7 @@ def _env_var(key: str, value: str) -> dict[str, Any]:
 
 
 def _volumes(cfg: Any) -> list[dict[str, Any]]:
-    claim = cfg.parallel.launch.volume_claim
+    claim = cfg.launch.volume_claim
     return [
         {"name": _RUN_VOLUME, "persistentVolumeClaim": {"claimName": str(claim)}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
@@ -308,16 +308,16 @@ def _script(cfg: Any, steps: list[str], torchrun: list[str], overrides: Sequence
     """``setup && launch steps && exec torchrun ... -m portatrain ...``; ``exec`` makes torchrun the
     container's main process, so the kubelet's SIGTERM reaches it (and through it the workers)."""
     command = " ".join([*torchrun, "-m", "portatrain", *(shlex.quote(o) for o in overrides)])
-    return " && ".join([*cfg.parallel.launch.setup, *steps, f"exec {command}"])
+    return " && ".join([*cfg.launch.setup, *steps, f"exec {command}"])
 
 
 def _grace(cfg: Any) -> int:
-    return int(cfg.parallel.launch.save_grace)
+    return int(cfg.launch.save_grace)
 
 
 def render_jobset(cfg: Any, overrides: Sequence[str], name: str) -> str:
     """A JobSet running ``portatrain <overrides>`` on a TPU slice of ``nodes`` hosts."""
-    launch = cfg.parallel.launch
+    launch = cfg.launch
     _, chips_per_host, _ = _tpu_layout(launch.tpu_accelerator, launch.tpu_topology)  # type: ignore[misc]
     hosts = [f"{name}-workers-0-{i}.{name}" for i in range(launch.nodes)]  # JobSet's pod DNS names
     env = {
@@ -410,7 +410,7 @@ def render_jobset(cfg: Any, overrides: Sequence[str], name: str) -> str:
 
 def render_pytorchjob(cfg: Any, overrides: Sequence[str], name: str) -> str:
     """A Kubeflow PyTorchJob running ``portatrain <overrides>`` on ``nodes`` GPU or Trainium hosts."""
-    launch = cfg.parallel.launch
+    launch = cfg.launch
     torchrun = [
         "torchrun",
         # Set by the training operator in every pod: master 0, workers 1.. (static rendezvous).
@@ -477,7 +477,7 @@ def _dump(manifest: dict[str, Any], cfg: Any, kind: str) -> str:
     header = (
         f"# portatrain {kind} {name}: {describe_job(cfg)}.\n"
         f"# Run directory: {run_dir_for(cfg, name)} on volume claim "
-        f"{cfg.parallel.launch.volume_claim}; restarts resume from its newest checkpoint.\n"
+        f"{cfg.launch.volume_claim}; restarts resume from its newest checkpoint.\n"
         "# Rendered by `portatrain render`; submit with `kubectl create -f FILE` (a new name per rendering).\n"
     )
     return header + yaml.dump(manifest, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
@@ -497,7 +497,7 @@ def render_replica_groups(cfg: Any, overrides: Sequence[str], name: str) -> str:
     replica group, each its own restartable unit."""
     from portatrain.fault_tolerance import LIGHTHOUSE_PORT
 
-    launch, ft = cfg.parallel.launch, cfg.fault_tolerance
+    launch, ft = cfg.launch, cfg.fault_tolerance
     lighthouse = lighthouse_name(name)
     labels = {"app.kubernetes.io/name": "portatrain", "portatrain/recipe": str(cfg.recipe)}
     selector = {"portatrain/lighthouse": lighthouse}
@@ -561,13 +561,13 @@ def render_replica_groups(cfg: Any, overrides: Sequence[str], name: str) -> str:
 
 
 def render(cfg: Any, overrides: Sequence[str]) -> RenderedJob:
-    """The JobSet or PyTorchJob for ``cfg`` (``parallel.launch.scheduler``), with a fresh name."""
-    name = unique_job_name(cfg.parallel.launch.job_name or f"portatrain-{cfg.recipe}")
+    """The JobSet or PyTorchJob for ``cfg`` (``launch.scheduler``), with a fresh name."""
+    name = unique_job_name(cfg.launch.job_name or f"portatrain-{cfg.recipe}")
     run_dir = run_dir_for(cfg, name)
     args = job_overrides(overrides, run_dir=run_dir)
     if cfg.fault_tolerance.enabled:
         text = render_replica_groups(cfg, args, name)
-    elif cfg.parallel.launch.scheduler == "jobset":
+    elif cfg.launch.scheduler == "jobset":
         text = render_jobset(cfg, args, name)
     else:
         text = render_pytorchjob(cfg, args, name)
@@ -576,20 +576,20 @@ def render(cfg: Any, overrides: Sequence[str]) -> RenderedJob:
 
 def follow_command(cfg: Any, name: str) -> str:
     """``kubectl logs -f`` of rank 0's pod (pod index 0: the JobSet's first pod, the PyTorchJob master)."""
-    ns = shlex.quote(cfg.parallel.launch.namespace)
+    ns = shlex.quote(cfg.launch.namespace)
     if cfg.fault_tolerance.enabled:  # replica group 0's master
         name = group_name(name, 0)
-    if cfg.parallel.launch.scheduler == "jobset":
+    if cfg.launch.scheduler == "jobset":
         selector = f"jobset.sigs.k8s.io/jobset-name={name},batch.kubernetes.io/job-completion-index=0"
         return f"kubectl logs -f -n {ns} -l {selector}"
     return f"kubectl logs -f -n {ns} {name}-master-0"
 
 
 def submit(cfg: Any, job: RenderedJob) -> SubmittedJob:
-    """``kubectl create -f`` the job (from ``parallel.launch.output`` when set, else stdin)."""
+    """``kubectl create -f`` the job (from ``launch.output`` when set, else stdin)."""
     from portatrain.launch.job import SubmitError
 
-    output = cfg.parallel.launch.output
+    output = cfg.launch.output
     if output:
         path = Path(output)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -603,5 +603,5 @@ def submit(cfg: Any, job: RenderedJob) -> SubmittedJob:
             f"the cluster rejected the job (`{shlex.join(argv)}` exited with {result.returncode}): "
             f"{result.stderr.strip() or 'no reason given'}"
         )
-    claim = cfg.parallel.launch.volume_claim
+    claim = cfg.launch.volume_claim
     return SubmittedJob(job.name, f"{job.run_dir} (volume claim {claim})", follow_command(cfg, job.name))

@@ -63,7 +63,7 @@ def log_file(name: str) -> str:
 
 
 def render_sbatch(cfg: Any, overrides: Sequence[str], *, workdir: str | None = None) -> str:
-    """The sbatch script running ``portatrain <overrides>`` on ``parallel.launch.nodes`` hosts (with
+    """The sbatch script running ``portatrain <overrides>`` on ``launch.nodes`` hosts (with
     fault tolerance: the lighthouse job that submits the replica groups, see the module docstring)."""
     workdir = workdir or os.getcwd()
     ft = cfg.fault_tolerance
@@ -79,7 +79,7 @@ def _render_lighthouse_job(cfg: Any, groups: str, *, workdir: str) -> str:
     """A one-node job serving torchft's lighthouse while the replica groups' array runs."""
     from portatrain.fault_tolerance import LIGHTHOUSE_PORT
 
-    launch, ft = cfg.parallel.launch, cfg.fault_tolerance
+    launch, ft = cfg.launch, cfg.fault_tolerance
     name = job_name(cfg)
     directives = [
         f"--job-name={name}",
@@ -130,7 +130,7 @@ def _render_job(
     cfg: Any, overrides: Sequence[str], *, workdir: str, replica_groups: int | None = None
 ) -> str:
     """The training job; with ``replica_groups``, an array of that many replica groups."""
-    launch = cfg.parallel.launch
+    launch = cfg.launch
     name = job_name(cfg)
     grace = int(launch.save_grace)
     directives = [
@@ -244,13 +244,13 @@ or days-hours:minutes:seconds (https://slurm.schedmd.com/sbatch.html#OPT_time)."
 
 def problems(cfg: Any) -> list[str]:
     """What keeps ``cfg`` from rendering as an sbatch script, each with its fix."""
-    time = cfg.parallel.launch.time
+    time = cfg.launch.time
     if not time or _TIME_FORMATS.fullmatch(str(time)) or str(time).upper() in ("UNLIMITED", "INFINITE"):
         return []
     return [
-        f"parallel.launch.time={time!r} is not a SLURM time limit: use minutes, minutes:seconds, "
+        f"launch.time={time!r} is not a SLURM time limit: use minutes, minutes:seconds, "
         "hours:minutes:seconds, days-hours, days-hours:minutes or days-hours:minutes:seconds "
-        "(e.g. parallel.launch.time=24:00:00 or 2-00:00:00)"
+        "(e.g. launch.time=24:00:00 or 2-00:00:00)"
     ]
 
 

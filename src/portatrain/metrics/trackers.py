@@ -136,7 +136,7 @@ def _redacted_argv() -> Iterator[None]:
 
     W&B records the command line in the run's metadata (``Settings._args`` is ``sys.argv[1:]``, read
     when ``wandb.init`` hands its settings to the service: wandb/sdk/wandb_settings.py), and the command
-    line is where secrets arrive (``+parallel.launch.env.HF_TOKEN=...``). The rest of the metadata is
+    line is where secrets arrive (``+launch.env.HF_TOKEN=...``). The rest of the metadata is
     worth keeping, so W&B sees the arguments as the config shows them, not no arguments."""
     argv = list(sys.argv)
     sys.argv[1:] = [redact_text(arg) for arg in argv[1:]]

@@ -17,10 +17,10 @@ What this file does:
   ``dp_shard`` split into ``dp_shard / ep`` x ``ep`` (torchtitan's ``dp_shard_mod_ep`` x
   ``dp_shard_in_ep``, ``torchtitan/distributed/parallel_dims.py``).
 * :func:`expected_world_size` -- how many processes a config will run with, for validation before
-  launch (under torchrun: ``WORLD_SIZE``; otherwise the job shape in ``parallel.launch``; for a dry run
+  launch (under torchrun: ``WORLD_SIZE``; otherwise the job shape in ``launch``; for a dry run
   with an explicit ``dp_shard``: the product of the degrees, so a 64-device plan needs no 64 processes).
 * :func:`parallel_problems` -- the parallel stage's part of config validation (``portatrain.validate``):
-  dtypes, scheduler, layout against the world size, the model's heads and the rows' lengths.
+  dtypes, layout against the world size, the model's heads and the rows' lengths.
 
 Rank order is row-major over ``([pp,] dp_replicate, dp_shard, cp, tp)``: tp is the fastest-varying dimension,
 so a tp group is ``tp`` consecutive ranks -- on one host when ``tp <= procs_per_node``, where
@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from portatrain.config import ParallelConfig
+from portatrain.config import LaunchConfig, ParallelConfig
 from portatrain.dtypes import dtype_problem
 from portatrain.errors import ConfigError
 
@@ -335,27 +335,26 @@ def model_problems(tp: int, n_heads: int, n_kv_heads: int, where: str) -> list[s
     return problems
 
 
-def expected_world_size(parallel_cfg: ParallelConfig, *, dry_run: bool = False) -> int:
+def expected_world_size(
+    parallel_cfg: ParallelConfig, launch_cfg: LaunchConfig, *, dry_run: bool = False
+) -> int:
     """How many processes a run with ``parallel_cfg`` will have, known before any process group exists.
 
     Under torchrun it is ``WORLD_SIZE``. Otherwise it is the job shape
-    ``parallel.launch.nodes * parallel.launch.procs_per_node`` (1 x 1 by default: a plain ``portatrain``
-    is one process). A dry run plans without launching anything: with an explicit ``dp_shard`` the
+    ``launch.nodes * launch.procs_per_node`` (1 x 1 by default: a plain ``portatrain`` is one
+    process). A dry run plans without launching anything: with an explicit ``dp_shard`` the
     world is the product of the degrees (``dp_shard=8 tp=8`` is a 64-device plan); with
     ``dp_shard=-1`` it is the job shape, or ``dp_replicate * tp`` devices if the job shape is smaller.
     """
     par = parallel_cfg
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
-    launched = par.launch.nodes * par.launch.procs_per_node
+    launched = launch_cfg.nodes * launch_cfg.procs_per_node
     if dry_run:
         if par.dp_shard > 0:
             return par.pp * par.dp_replicate * par.dp_shard * par.cp * par.tp
         return max(launched, par.pp * par.dp_replicate * par.cp * par.tp)
     return launched
-
-
-SCHEDULERS = ("slurm", "jobset", "pytorchjob")
 
 
 class ModelShape(Protocol):
@@ -382,18 +381,10 @@ def parallel_problems(
     must split evenly over the tp ranks.
     """
     par = parallel_cfg
-    launch = par.launch
     problems = []
     if par.param_dtype is not None:
         problems += dtype_problem("parallel.param_dtype", par.param_dtype)
     problems += dtype_problem("parallel.reduce_dtype", par.reduce_dtype)
-    if launch.scheduler not in SCHEDULERS:
-        problems.append(
-            f"parallel.launch.scheduler={launch.scheduler!r} is not one of {', '.join(SCHEDULERS)}"
-        )
-    for name in ("nodes", "procs_per_node"):
-        if getattr(launch, name) < 1:
-            problems.append(f"parallel.launch.{name}={getattr(launch, name)} must be >= 1")
     if problems:
         return problems
     problems += layout_problems(
