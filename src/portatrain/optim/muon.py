@@ -43,8 +43,9 @@ from portatrain.dtypes import dtype_from_name
 from portatrain.models.common.moe import Router
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-"""Keller Jordan's quintic coefficients (``torch.optim.Muon``'s default): the steepest slope at zero
-that still maps singular values into about [0.7, 1.2] after five steps."""
+"""Keller Jordan's quintic coefficients (``torch.optim.Muon``'s default): the steepest slope at zero,
+at the price of singular values left anywhere in about [0.5, 1.5] after five steps rather than at 1
+(``torch/optim/_muon.py``'s docstring: it does not hurt training)."""
 ADJUST_LR = ("original", "match_rms_adamw")
 """Allowed values of ``optim.muon.adjust_lr`` (``torch.optim.Muon``'s ``adjust_lr_fn``)."""
 
