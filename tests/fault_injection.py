@@ -18,11 +18,14 @@ Two ways to run it:
   run, which is what makes 20+ trials cheap.
 - as a torchrun worker script: ``FAULT_KILL_AT``/``FAULT_RANK``/``FAULT_MARKER`` select the point,
   the rank, and a file that makes the kill happen once (so a later launch, or a torchrun restart,
-  runs clean and resumes); ``FAULT_COUNT_FILE`` records each rank's number of points.
+  runs clean and resumes); ``FAULT_COUNT_FILE`` records each rank's number of points;
+  ``FAULT_FOUND_FILE``: rank 0 of the attempt torchrun restarts after the kill writes there the
+  checkpoints it finds, each inspected whole, before it resumes (or the error that says which is not).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -105,11 +108,30 @@ def install(kill_at: int) -> None:
     checkpointer.Checkpointer.save = counted_save
 
 
+_configs: dict[tuple[str, ...], object] = {}
+"""Composed configs by overrides: composed once in the parent, each forked trial copies its own (Hydra's
+compose takes about as long as the training run it configures)."""
+
+
+def _config(overrides: list[str], run_dir: Path):
+    from omegaconf import open_dict
+
+    from tests.helpers import compose_config
+
+    key = tuple(RUN + overrides)
+    if key not in _configs:
+        _configs[key] = compose_config(list(key))
+    cfg = copy.deepcopy(_configs[key])
+    with open_dict(cfg):
+        cfg.run_dir = str(run_dir)
+    return cfg
+
+
 def _fit(run_dir: Path, overrides: list[str]) -> dict:
     from portatrain.trainer import Trainer
-    from tests.helpers import compose_config, step_losses
+    from tests.helpers import step_losses
 
-    trainer = Trainer(compose_config(RUN + overrides, run_dir=run_dir))
+    trainer = Trainer(_config(overrides, run_dir))
     try:
         trainer.fit()
     finally:
@@ -159,6 +181,7 @@ def trials(out: Path, n: int, seed: str, overrides: list[str] | None = None) -> 
     install(0)
     overrides = overrides or []
     reference = _fit(work / "clean", overrides)
+    _config([*overrides, "checkpoint.resume=auto"], work)  # composed here, before the first fork
     total = reference["points"]
     outcomes = []
     for trial, kill_at in enumerate(kill_points(total, n, seed)):
@@ -231,6 +254,16 @@ def torchrun_worker() -> None:
 
         os.kill = kill
     install(kill_at)
+    found = os.environ.get("FAULT_FOUND_FILE")
+    if found and marker.exists() and os.environ.get("RANK", "0") == "0" and not Path(found).exists():
+        # The first worker of an attempt restarted after the kill, before it resumes: every step_N
+        # the killed attempt left must be whole (the newest is the one to resume from).
+        run_dir = Path([a for a in sys.argv if a.startswith("run_dir=")][-1].partition("=")[2])
+        try:
+            outcome = {"complete": _complete(run_dir)}
+        except Exception as exc:  # noqa: BLE001 - reported to the test through the file
+            outcome = {"error": f"{type(exc).__name__}: {exc}"}
+        Path(found).write_text(json.dumps(outcome))
     count_file = os.environ.get("FAULT_COUNT_FILE")
     try:
         main()
