@@ -18,12 +18,29 @@ from pathlib import Path
 import pytest
 
 from portatrain.launch import job_overrides, render_job, training_overrides
-from tests.conftest import ROOT, TINY, compose_config, run_cli
+from tests.conftest import ROOT, TINY, compose_config
+from tests.test_command_errors import run
 from tests.test_distributed import free_port
 
 
 def _render(overrides: list[str]) -> str:
     return render_job(compose_config(overrides), overrides).text
+
+
+@pytest.fixture
+def portatrain(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    """``portatrain ARGS`` run in this process from ``tmp_path`` (the CLI as the console script runs
+    it: ``tests.test_command_errors.run``; a fresh process per command only added its start-up), as a
+    CompletedProcess; ``path``: a directory put first on ``PATH`` (stand-ins for the scheduler)."""
+    monkeypatch.chdir(tmp_path)
+
+    def call(args: list[str], path: Path | None = None) -> subprocess.CompletedProcess:
+        if path is not None:
+            monkeypatch.setenv("PATH", f"{path}{os.pathsep}{os.environ['PATH']}")
+        status, err = run(args, capsys)
+        return subprocess.CompletedProcess(args, status, capsys.readouterr().out, err)
+
+    return call
 
 
 def _write_executable(path: Path, text: str) -> None:
@@ -37,7 +54,7 @@ def test_training_overrides_drop_the_job_shape() -> None:
     ) == ["recipe=llama8b", "parallel.tp=8"]
 
 
-def test_sbatch_script_is_valid_bash_with_the_slurm_rendezvous(tmp_path: Path) -> None:
+def test_sbatch_script_is_valid_bash_with_the_slurm_rendezvous(tmp_path: Path, portatrain) -> None:
     args = [
         "render",
         "recipe=llama70b",
@@ -51,7 +68,7 @@ def test_sbatch_script_is_valid_bash_with_the_slurm_rendezvous(tmp_path: Path) -
         "optim.betas=[0.9,0.99]",
         f"parallel.launch.output={tmp_path / 'job.sbatch'}",
     ]
-    out = run_cli(args, cwd=tmp_path)
+    out = portatrain(args)
     assert out.returncode == 0, out.stderr
     script = (tmp_path / "job.sbatch").read_text()
     assert subprocess.run(["bash", "-n", tmp_path / "job.sbatch"], capture_output=True).returncode == 0
@@ -90,24 +107,24 @@ def test_sbatch_script_is_valid_bash_with_the_slurm_rendezvous(tmp_path: Path) -
     assert "dp_replicate=1 x dp_shard=8 x tp=8 = 64 devices" in script
 
 
-def test_render_validates_the_layout_against_the_job_shape(tmp_path: Path) -> None:
-    out = run_cli(
-        ["render", "parallel.dp_shard=3", "parallel.launch.nodes=2", "parallel.launch.procs_per_node=2"],
-        cwd=tmp_path,
+def test_render_validates_the_layout_against_the_job_shape(portatrain) -> None:
+    out = portatrain(
+        ["render", "parallel.dp_shard=3", "parallel.launch.nodes=2", "parallel.launch.procs_per_node=2"]
     )
     assert out.returncode == 2
     assert "dp_shard(3) * tp(1) = 3 != world size 4; set parallel.dp_shard=4" in out.stderr
 
 
-def test_submit_prints_the_job_id_run_dir_and_log_and_leaves_only_the_jobs_run_dir(tmp_path: Path) -> None:
+def test_submit_prints_the_job_id_run_dir_and_log_and_leaves_only_the_jobs_run_dir(
+    tmp_path: Path, portatrain
+) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     _write_executable(
         bin_dir / "sbatch",
         '#!/bin/bash\necho "$@" > "$(dirname "$0")/called"\ncat > "$(dirname "$0")/script"\necho "7"\n',
     )
-    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    out = run_cli(["submit", "trainer.steps=3"], cwd=tmp_path, env=env)
+    out = portatrain(["submit", "trainer.steps=3"], path=bin_dir)
     assert out.returncode == 0, out.stderr
     run_dir = tmp_path / "runs" / "debug" / "7"  # the job's run directory: named after its id
     assert out.stdout.splitlines() == [
@@ -122,7 +139,7 @@ def test_submit_prints_the_job_id_run_dir_and_log_and_leaves_only_the_jobs_run_d
     assert [p.name for p in (tmp_path / "runs" / "debug").iterdir()] == ["7"]  # no empty Hydra dir
 
 
-def test_submit_reports_a_rejection_with_the_schedulers_reason(tmp_path: Path) -> None:
+def test_submit_reports_a_rejection_with_the_schedulers_reason(tmp_path: Path, portatrain) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     _write_executable(
@@ -130,8 +147,7 @@ def test_submit_reports_a_rejection_with_the_schedulers_reason(tmp_path: Path) -
         "#!/bin/bash\necho 'sbatch: error: Batch job submission failed: Invalid account or "
         "account/partition combination specified' >&2\nexit 1\n",
     )
-    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    out = run_cli(["submit", "launch.account=nope"], cwd=tmp_path, env=env)
+    out = portatrain(["submit", "parallel.launch.account=nope"], path=bin_dir)
     assert out.returncode == 2
     assert out.stderr.strip() == (
         "portatrain submit: error: the scheduler rejected the job (`sbatch --parsable` exited with 1): "
@@ -140,12 +156,12 @@ def test_submit_reports_a_rejection_with_the_schedulers_reason(tmp_path: Path) -
     assert not (tmp_path / "runs").exists()
 
 
-def test_render_writes_nothing_but_the_job(tmp_path: Path) -> None:
-    out = run_cli(["render", "trainer.steps=3"], cwd=tmp_path)
+def test_render_writes_nothing_but_the_job(tmp_path: Path, portatrain) -> None:
+    out = portatrain(["render", "trainer.steps=3"])
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("#!/bin/bash")
     assert list(tmp_path.iterdir()) == []  # no empty run directory left behind
-    out = run_cli(["render", f"parallel.launch.output={tmp_path / 'job.sbatch'}"], cwd=tmp_path)
+    out = portatrain(["render", f"parallel.launch.output={tmp_path / 'job.sbatch'}"])
     assert out.returncode == 0, out.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["job.sbatch"]
 
@@ -207,7 +223,7 @@ def test_sbatch_script_trains_on_two_fake_slurm_nodes(tmp_path: Path) -> None:
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
 
 
-def test_sbatch_script_never_holds_a_secret_and_submit_hands_it_to_sbatch(tmp_path: Path) -> None:
+def test_sbatch_script_never_holds_a_secret_and_submit_hands_it_to_sbatch(tmp_path: Path, portatrain) -> None:
     overrides = [
         *TINY,
         "+parallel.launch.env.HF_TOKEN=hf_sekrit_value",
@@ -232,8 +248,7 @@ def test_sbatch_script_never_holds_a_secret_and_submit_hands_it_to_sbatch(tmp_pa
     sbatch = bin_dir / "sbatch"
     sbatch.write_text('#!/bin/sh\ncat > /dev/null\necho "$HF_TOKEN" > "$(dirname "$0")/seen"\necho 42\n')
     sbatch.chmod(0o755)
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    out = run_cli(["submit", *overrides], cwd=tmp_path, env=env)
+    out = portatrain(["submit", *overrides], path=bin_dir)
     assert out.returncode == 0, out.stderr
     assert (bin_dir / "seen").read_text().strip() == "hf_sekrit_value"
     (job_file,) = (tmp_path / "runs").rglob("job.sbatch")
