@@ -4,9 +4,9 @@ complete, finite checkpoint and then trains exactly as the run that was never ki
 The kill points and the trial runner are in ``tests/fault_injection.py``. One process, 10 forked
 trials at points spread evenly over every filesystem step of six saves and four rotations (5 more
 with ``checkpoint.async_mode=thread``): the same points on every machine, so a failure reproduces.
-Then the same under ``torchrun --nproc-per-node=2``: the non-main rank killed in the middle of its
-save points, then a new launch that resumes. ``python tests/fault_injection.py trials OUT 20 7``
-draws 20 random points instead.
+Then the same under ``torchrun --nproc-per-node=2 --max-restarts=1``: the non-main rank killed in the
+middle of its save points, then the attempt torchrun restarts inspects what is on disk and resumes.
+``python tests/fault_injection.py trials OUT 20 7`` draws 20 random points instead.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from portatrain.checkpoint import complete_checkpoints, inspect_checkpoint
 from tests.fault_injection import RUN
 from tests.helpers import ROOT, step_losses
 
@@ -77,7 +76,9 @@ def test_sigkill_at_random_points_of_saves_and_rotation_always_resumes_exactly(
     assert any(t["leftovers_before_resume"] for t in trials)
 
 
-def _torchrun(overrides: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
+def _torchrun(
+    overrides: list[str], cwd: Path, env: dict, torchrun_args: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [
             sys.executable,
@@ -85,6 +86,7 @@ def _torchrun(overrides: list[str], cwd: Path, env: dict) -> subprocess.Complete
             "torch.distributed.run",
             "--standalone",
             "--nproc-per-node=2",
+            *torchrun_args,
             str(SCRIPT),
             *RUN,
             *overrides,
@@ -112,17 +114,24 @@ def test_sigkill_of_a_torchrun_worker_during_a_save_resumes_exactly(tmp_path: Pa
     # Rank 1 (not the one that renames and rotates) in the middle of its points: rank 0's kills are the
     # one-process trials above.
     for trial, (rank, kill_at) in enumerate([(1, (points[1] + 1) // 2)]):
-        marker = tmp_path / f"killed{trial}"
+        marker, found = tmp_path / f"killed{trial}", tmp_path / f"found{trial}.json"
         run_dir = tmp_path / f"trial{trial}"
-        env = {**ENV, "FAULT_KILL_AT": str(kill_at), "FAULT_RANK": str(rank), "FAULT_MARKER": str(marker)}
-        # A rank dies; torchrun stops the other one and fails. (A fresh launch resumes: torchrun's own
-        # --max-restarts path is tested in tests/test_resume.py.)
-        killed = _torchrun([f"run_dir={run_dir}"], tmp_path, env)
-        context = f"trial {trial}: rank {rank} killed at point {kill_at}\n"
-        assert killed.returncode != 0 and marker.exists(), context + killed.stderr[-3000:]
-        folder = run_dir / "checkpoints"
-        for path in complete_checkpoints(folder):
-            inspect_checkpoint(path)  # every step_N left is whole
-        resumed = _torchrun([f"run_dir={run_dir}", "checkpoint.resume=auto"], tmp_path, env)
-        assert resumed.returncode == 0, context + resumed.stderr[-3000:]
+        env = {
+            **ENV,
+            "FAULT_KILL_AT": str(kill_at),
+            "FAULT_RANK": str(rank),
+            "FAULT_MARKER": str(marker),
+            "FAULT_FOUND_FILE": str(found),
+        }
+        # A rank dies; torchrun stops the other one, the attempt fails, and torchrun starts a new one
+        # (one launch: the kill, then the resume), whose rank 0 first inspects what the kill left.
+        args = [f"run_dir={run_dir}", "checkpoint.resume=auto"]
+        resumed = _torchrun(args, tmp_path, env, ("--max-restarts=1",))
+        context = f"trial {trial}: rank {rank} killed at point {kill_at}\n" + resumed.stderr[-3000:]
+        # The kill happened, failed the attempt, and torchrun restarted it (only a restarted attempt's
+        # rank 0 finds the marker at its start and writes ``found``).
+        assert marker.exists() and found.exists(), context
+        outcome = json.loads(found.read_text())
+        assert "error" not in outcome, context + str(outcome)  # every step_N left is whole
+        assert resumed.returncode == 0, context
         assert step_losses(run_dir) == reference, context
