@@ -14,7 +14,9 @@ would otherwise fall back to the math kernel, materializing ``S x S`` scores.
 
 The mask may instead be an :data:`AttentionFn`, a callable that computes the attention itself: the
 seam through which context parallelism (``portatrain.parallel.context``) attends a rank's sequence
-shard over the whole row's keys, with no parallel code in the model.
+shard over the whole row's keys, with no parallel code in the model, and through which a key/value
+cache (``portatrain.models.common.kv_cache``) attends new tokens over every cached one
+(:func:`cached_attention`).
 """
 
 from __future__ import annotations
@@ -62,3 +64,43 @@ def causal_attention(
     n_rep = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+
+
+def cached_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float | None = None,
+    *,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Attention of ``q [B, H, S, D]``, the queries at ``positions [S]``, over a whole key/value cache
+    ``keys [B, H_kv, L, D]``, ``values [B, H_kv, L, D_v]``: query ``s`` sees the slots ``<= positions[s]``
+    (and, with a sliding ``window``, ``> positions[s] - window``: the same band as a full forward's).
+
+    Every shape is the cache's, whatever has been written so far, so a decode step compiles once per
+    cache length; the mask of visible slots is computed on the device from ``positions`` (no host
+    read). Slots past a query's position may hold anything (a padded prefill's keys): they are masked.
+
+    Grouped-query heads are folded into the query length rather than repeated: the ``n_rep`` query
+    heads that read one k/v head become ``n_rep * S`` rows of that head (``[B, H_kv, n_rep * S, D]``,
+    the mask repeated to match), so the cache is never copied ``n_rep`` times per step and SDPA gets
+    no ``enable_gqa`` with a mask (which CUDA's fused kernels refuse, see above). Returns
+    ``[B, H, S, D_v]``.
+    """
+    batch, heads, seq_len, head_dim = q.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    n_rep = heads // kv_heads
+    slots = torch.arange(length, device=q.device)
+    visible = slots <= positions[:, None]  # [S, L]
+    if window is not None:
+        visible = visible & (slots > positions[:, None] - window)
+    out = F.scaled_dot_product_attention(
+        q.reshape(batch, kv_heads, n_rep * seq_len, head_dim),  # head h = kv head h // n_rep, as repeat_kv
+        keys,
+        values,
+        attn_mask=visible.repeat(n_rep, 1),
+        scale=scale,
+    )
+    return out.view(batch, heads, seq_len, -1)

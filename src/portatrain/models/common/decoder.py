@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from portatrain.models.common.kv_cache import KVCache
 from portatrain.models.common.layers import Activation, Attention, FeedForward, QKNorm, RMSNorm, trunc_normal_
 from portatrain.models.common.masks import sliding_window_mask
 from portatrain.models.common.rope import RopeScaling, rope_tables
@@ -437,6 +438,7 @@ class Decoder(nn.Module):
         positions: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
         output_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, S, vocab_size]`` in the compute dtype, or ``output_fn``'s result.
 
@@ -452,7 +454,19 @@ class Decoder(nn.Module):
                 ``[B, S, dim]`` and the output projection's matrix ``[vocab_size, dim]`` in place of
                 the projection (e.g. ``portatrain.losses``' chunked loss, which never builds the full
                 logits). Inside ``forward``, so FSDP2 has the matrix gathered.
+            cache: a key/value cache (``portatrain.models.common.kv_cache``): the tokens' keys and
+                values are stored in it at ``positions`` and every block attends over the whole cache,
+                for decoding a token at a time. ``positions`` is then ``[S]``, the slots of the ``S``
+                new tokens (the same in every row), and ``attn_mask`` must be None.
         """
+        if cache is not None and (positions is None or positions.dim() != 1 or attn_mask is not None):
+            raise ValueError(
+                "a forward with a KV cache takes positions [S] (the slots written) and no attn_mask"
+            )
+        if cache is not None and self.args.attention_sinks:
+            raise ValueError(
+                "a KV cache does not implement attention sinks (GPT-OSS) yet; decode without one"
+            )
         seq_len = tokens.shape[1]  # token ids [B, S], or a later pipeline stage's hidden states [B, S, dim]
         if seq_len > self.args.max_seq_len:
             raise ValueError(
@@ -472,13 +486,16 @@ class Decoder(nn.Module):
                 local_tables = _rope_at(self.rope_local_cos, self.rope_local_sin, positions, seq_len)
             else:
                 local_tables = (cos, sin)
-            window = sliding_window_mask(attn_mask, seq_len, self.args.sliding_window, h.device)
+            window = None  # with a cache, each layer's cache attention applies its window
+            if cache is None:
+                window = sliding_window_mask(attn_mask, seq_len, self.args.sliding_window, h.device)
             local = (*local_tables, window)
         for name, block in self.layers.items():
-            if local is not None and self.args.is_sliding(int(name)):
-                h = block(h, *local)
-            else:
-                h = block(h, cos, sin, attn_mask)
+            sliding = local is not None and self.args.is_sliding(int(name))
+            block_cos, block_sin, mask = local if sliding else (cos, sin, attn_mask)
+            if cache is not None:
+                mask = cache.attention(name, positions, window=self.args.sliding_window if sliding else None)
+            h = block(h, block_cos, block_sin, mask)
         if self.norm is None:  # a pipeline stage before the last
             return h
         h = self.norm(h)
@@ -504,4 +521,6 @@ def _rope_at(
     """The rows of RoPE tables for ``positions`` (None: ``0..seq_len-1``), shaped to broadcast over q/k."""
     if positions is None:
         return cos_table[:seq_len], sin_table[:seq_len]  # [S, D], broadcast over B, H
+    if positions.dim() == 1:  # a cached forward's slots, shared by every row
+        return cos_table[positions], sin_table[positions]  # [S, D]
     return cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)  # [B, 1, S, D]
