@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     # the loop (non-finite steps, the logging window, the logging step, compile warm-up)
     ("train",),
     ("evaluation",),  # lm-eval tasks on the model (its model is built by the train parts)
-    ("trainer", "plan", "export"),  # the loop; the dry run; HF export
+    ("trainer", "plan", "export", "generate"),  # the loop; the dry run; HF export; text generation
     ("dpo_trainer",),  # the trainer for finetune.method=dpo
     ("bench", "launch", "parity"),  # commands' engines built on the trainer / the layout; parity
     ("report",),  # the portability report: audit + runtime audit + parity + bench

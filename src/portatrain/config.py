@@ -539,6 +539,30 @@ class EvalConfig:
 
 
 @dataclass
+class GenerateConfig:
+    """``portatrain generate checkpoint=PATH|auto prompt=TEXT``: text from a checkpoint's model, greedy or
+    sampled, with a static-shape KV cache (``portatrain.generate``)."""
+
+    checkpoint: str = "auto"
+    """A ``step_N`` checkpoint directory, a run directory (its newest), or ``auto``: the newest under ``run_dir``."""
+    prompt: str = ""
+    """The text to continue (encoded with the checkpoint's tokenizer, BOS first when it has one)."""
+    max_new_tokens: int = 64
+    """Tokens to generate at most (fewer when EOS comes first); prompt + these must fit ``max_seq_len``."""
+    temperature: float = 0.0
+    """0: greedy (the most likely token); above 0: sample from ``softmax(logits / temperature)``."""
+    top_k: int = 0
+    """Sample among the ``top_k`` most likely tokens only; 0: all."""
+    top_p: float = 1.0
+    """Sample among the most likely tokens whose probabilities sum to ``top_p`` (nucleus); 1: all."""
+    seed: int = 0
+    """Seed of the sampling generator: the same seed, checkpoint and device give the same text."""
+    bucket: int = 256
+    """The KV cache spans prompt + ``max_new_tokens`` positions rounded up to a multiple of this (at
+    most ``max_seq_len``): every prompt in a bucket shares one compiled decode step."""
+
+
+@dataclass
 class PrepareConfig:
     """``portatrain prepare out=DIR``: tokenize ``data.dataset`` (or ``data.mix``) into memory-mapped shards."""
 
@@ -684,6 +708,7 @@ class Config:
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)

@@ -23,6 +23,7 @@ from portatrain.evaluation.tasks import eval_problems
 from portatrain.export import export_problems
 from portatrain.fault_tolerance import fault_tolerance_problems
 from portatrain.finetune import finetune_problems
+from portatrain.generate import generate_problems
 from portatrain.kernels import config_problems as kernel_problems
 from portatrain.launch import shape_problems
 from portatrain.losses import loss_problems
@@ -75,6 +76,7 @@ def config_problems(cfg: Config) -> list[str]:
     problems += report_problems(cfg.report)
     problems += export_problems(cfg.export)
     problems += eval_problems(cfg.eval, cfg.trainer, cfg.compile)
+    problems += generate_problems(cfg.generate)
     if cfg.parallel.activation_checkpointing not in AC_MODES:
         problems.append(
             f"parallel.activation_checkpointing={cfg.parallel.activation_checkpointing!r} is not one of "

@@ -44,6 +44,7 @@ COMMANDS: dict[str, str] = {
     "bench": "portatrain.commands.bench",  # cold start and steady-state throughput
     "export": "portatrain.commands.export",  # a checkpoint -> a Hugging Face directory
     "eval": "portatrain.commands.eval",  # lm-evaluation-harness tasks on a checkpoint
+    "generate": "portatrain.commands.generate",  # text from a checkpoint, over a KV cache
     "prepare": "portatrain.commands.prepare",  # tokenize a corpus into memory-mapped shards
     "plan": "portatrain.commands.plan",  # = dry_run=true: size and memory, nothing allocated
     "render": "portatrain.commands.render",  # a SLURM/Kubernetes job for this config
