@@ -16,7 +16,6 @@ non-finite guard, the logging window and step, compile warm-up) -- one ``_setup_
 from __future__ import annotations
 
 import logging
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -54,10 +53,13 @@ from portatrain.train.nonfinite import NONFINITE_MODES, NonFiniteError
 from portatrain.train.progress import StepLog
 from portatrain.train.rundir import RunDir, open_run_dir
 from portatrain.train.runtime import build_runtime
-from portatrain.train.services import build_checkpointer, build_metrics, build_nonfinite_guard
-from portatrain.train.spike import SpikeGuard
+from portatrain.train.services import (
+    build_checkpointer,
+    build_metrics,
+    build_nonfinite_guard,
+    build_optimizer_step,
+)
 from portatrain.train.state import TrainState, join_replica_groups
-from portatrain.train.step import OptimizerStep
 from portatrain.train.warmup import compile_warmup
 
 logger = logging.getLogger(__name__)
@@ -165,22 +167,12 @@ class Trainer:
         cfg, rt = self.cfg, self.runtime
         self.checkpointer = build_checkpointer(cfg, rt, self.run_dir)
         self.nonfinite = build_nonfinite_guard(cfg, rt, self.checkpointer)
-        self.optimizer_step = OptimizerStep(
-            self.optimizer,
-            self.lr_scheduler,
-            grad_clip=cfg.optim.grad_clip,
-            pp_mesh=self.parallel_dims.pp_mesh if self.parallel_dims.pp_enabled else None,
-            guard=self.nonfinite,
-            # e.g. FP8 weight scales for the next all-gather; DeepSeek-V3's router bias
-            post_step=[
-                lambda ok: self.converters.post_optimizer_step(self.model),
-                self.model_hooks.post_optimizer_step,
-            ],
-            spike_guard=SpikeGuard.build(cfg.trainer.spike_guard, self.device),  # trainer.spike_guard
-            global_sum=partial(token_all_reduce, parallel_dims=self.parallel_dims),
-        )
-        if self.optimizer_step.spike_guard is not None:  # its window resumes with the run
-            self.state.parts["spike_guard"] = self.optimizer_step.spike_guard
+        # e.g. FP8 weight scales for the next all-gather; DeepSeek-V3's router bias
+        hooks = [
+            lambda ok: self.converters.post_optimizer_step(self.model),
+            self.model_hooks.post_optimizer_step,
+        ]
+        self.optimizer_step = build_optimizer_step(cfg, rt, self.state, self.nonfinite, hooks)
         self.preemption = PreemptionWatcher()
         self.preempted = False
         self.metrics = build_metrics(cfg, rt, self.run_dir, resumed=self.resume_from is not None)

@@ -1,15 +1,24 @@
-"""What watches a training run, built from the config: the checkpointer, the non-finite guard and
-the metrics sinks (each a stage of its own; this module only wires them to the run)."""
+"""What watches a training run, built from the config: the checkpointer, the non-finite guard, the
+optimizer step they guard and the metrics sinks (each a stage of its own; this module only wires them
+to the run)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+
+import torch
 
 from portatrain.checkpoint import Checkpointer
 from portatrain.config import Config
 from portatrain.metrics import MetricsLogger
+from portatrain.parallel import token_all_reduce
 from portatrain.train.nonfinite import NonFiniteGuard
 from portatrain.train.runtime import Runtime
+from portatrain.train.spike import SpikeGuard
+from portatrain.train.state import TrainState
+from portatrain.train.step import OptimizerStep
 
 
 def build_checkpointer(cfg: Config, runtime: Runtime, run_dir: Path) -> Checkpointer:
@@ -53,3 +62,29 @@ def build_metrics(cfg: Config, runtime: Runtime, run_dir: Path, *, resumed: bool
         config=cfg,
         resumed=resumed,
     )
+
+
+def build_optimizer_step(
+    cfg: Config,
+    runtime: Runtime,
+    state: TrainState,
+    guard: NonFiniteGuard,
+    post_step: list[Callable[[torch.Tensor], None]],
+) -> OptimizerStep:
+    """The run's optimizer step over ``state``'s optimizer and schedule: clipping (``optim.grad_clip``)
+    across the pipeline stages too, the non-finite ``guard``, the loss-spike guard
+    (``trainer.spike_guard``, whose window becomes part of the train state) and the ``post_step`` hooks."""
+    dims = runtime.parallel_dims
+    step = OptimizerStep(
+        state.optimizer,
+        state.lr_scheduler,
+        grad_clip=cfg.optim.grad_clip,
+        pp_mesh=dims.pp_mesh if dims.pp_enabled else None,
+        guard=guard,
+        post_step=post_step,
+        spike_guard=SpikeGuard.build(cfg.trainer.spike_guard, runtime.device),
+        global_sum=partial(token_all_reduce, parallel_dims=dims),
+    )
+    if step.spike_guard is not None:  # its window resumes with the run
+        state.parts["spike_guard"] = step.spike_guard
+    return step
