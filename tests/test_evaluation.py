@@ -16,7 +16,7 @@ from portatrain.checkpoint import complete_checkpoints
 from portatrain.evaluation import flat_metrics
 from portatrain.export import export_hf
 from portatrain.metrics import scalars
-from tests.helpers import ROOT, TINY, compose_config, fit, read_metrics, run_cli, torchrun, train_records
+from tests.helpers import ROOT, TINY, compose_config, fit, read_metrics, torchrun, train_records
 from tests.test_command_errors import one_line_error, run
 from tests.test_tokenizer import make_bpe_tokenizer
 
@@ -93,9 +93,10 @@ def test_cli_eval_runs_the_local_tasks_and_writes_results(
     monkeypatch.chdir(ROOT)  # the tasks' data_files are relative to the repository root
     out = tmp_path / "results.json"
     argv = ["eval", "device=cpu", f"checkpoint={bpe_run}", "tasks=portatrain_tiny", INCLUDE]
-    done = run_cli([*argv, "eval.bootstrap_iters=0", f"out={out}", f"run_dir={tmp_path / 'e'}"], cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    printed = done.stdout
+    # In this process, as ``portatrain eval`` runs it (tests.test_command_errors.run).
+    status, err = run([*argv, "eval.bootstrap_iters=0", f"out={out}", f"run_dir={tmp_path / 'e'}"], capsys)
+    assert status == 0, err[-3000:]
+    printed = capsys.readouterr().out
     assert "step_0000004 (step 4)" in printed and "portatrain_tiny_choice" in printed
     results = json.loads(out.read_text())
     assert results["step"] == 4
@@ -127,8 +128,8 @@ def test_tasks_during_tensor_parallel_training_match_one_process_eval_of_its_che
         INCLUDE,
         "eval.bootstrap_iters=0",
     ]
-    done = run_cli([*args, f"out={out}", f"run_dir={tmp_path / 'e'}"], cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
+    status, err = run([*args, f"out={out}", f"run_dir={tmp_path / 'e'}"], capsys)  # in this process
+    assert status == 0, err[-3000:]
     one = flat_metrics(json.loads(out.read_text()))
     assert len(one) == 6 and set(one) <= set(logged)
     for key, value in one.items():
