@@ -28,6 +28,7 @@ from torch import nn
 
 from portatrain.config import Config, ModelConfig
 from portatrain.converters import ModelConverters
+from portatrain.kernels import KernelSet
 from portatrain.kernels import apply as apply_kernels
 from portatrain.models import SPECS, moe_dispatch
 from portatrain.models.spec import ModelRuntime, ModelSpec, RuntimeOptions
@@ -75,7 +76,7 @@ def build_model(
     parallelize: Callable[[nn.Module], nn.Module],
     materialize: Callable[[nn.Module], nn.Module],
     converters: ModelConverters,
-    kernels: Any = (),
+    kernels: KernelSet | None = None,
     parallel: Any = None,
 ) -> BuiltModel:
     """Steps 1-4 of the module docstring. ``parallelize`` applies the plan (calling
@@ -86,7 +87,8 @@ def build_model(
     hooks = spec.runtime(model, options)
     # Kernels are swapped into the model's op slots before parallelize, so compiled blocks trace
     # each kernel as one custom op.
-    apply_kernels(model, kernels)
+    if kernels is not None:  # kernels.enabled (a command without it, e.g. eval: the references)
+        apply_kernels(model, kernels)
     converters.convert(model)
     pipeline = None
     if runtime.parallel_dims.pp_enabled:
