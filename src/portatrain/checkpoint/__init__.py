@@ -8,6 +8,8 @@ One module per concern:
   resharded by DCP's planner);
 - ``discovery.py`` -- :func:`complete_checkpoints`, :func:`read_trainer_state` and
   :func:`inspect_checkpoint` find and check checkpoints without reading their tensors;
+- ``restore.py`` -- reading a checkpoint back into a model: shapes checked against the index, a
+  referenced frozen base loaded first, tensors verified; :func:`load_model_weights` (weights only);
 - ``rotation.py`` -- renames a written save in (replacing a stale one, superseding later steps) and
   deletes those beyond ``checkpoint.keep``, each step a rename;
 - ``diagnostics.py`` -- the one-line report of a failed save (a full disk: how much a checkpoint
@@ -75,16 +77,12 @@ at most, and a failure is raised where the loop next waits for it (the next save
 from __future__ import annotations
 
 from portatrain.checkpoint.base import BASE_DIR, ModelTensors
-from portatrain.checkpoint.checkpointer import (
-    LEGACY_MODEL_NAME,
-    Checkpointer,
-    load_model_weights,
-    model_args_dict,
-)
+from portatrain.checkpoint.checkpointer import Checkpointer, model_args_dict
 from portatrain.checkpoint.common import FORMAT, CheckpointError, UnsafeCheckpointError
 from portatrain.checkpoint.discovery import complete_checkpoints, inspect_checkpoint, read_trainer_state
 from portatrain.checkpoint.hf import load_hf_weights
 from portatrain.checkpoint.preemption import PreemptionWatcher, sigterm_interrupts
+from portatrain.checkpoint.restore import LEGACY_MODEL_NAME, load_model_weights
 from portatrain.checkpoint.resume import find_checkpoint, load_dataloader_state, newest_usable, resolve_resume
 from portatrain.checkpoint.safe_metadata import UnsafeMetadataError, safe_reader
 from portatrain.checkpoint.verify import DamagedCheckpointError, nonfinite_keys

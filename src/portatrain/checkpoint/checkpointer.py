@@ -3,7 +3,6 @@
 - :class:`Checkpointer` saves a training state with ``torch.distributed.checkpoint`` (DCP) every
   ``checkpoint.every`` steps and at the end, keeps the last K, and loads one back -- into the same
   or a different number of ranks (FSDP2 DTensors are resharded by DCP's planner);
-- :func:`load_model_weights` loads a model's weights only (evaluation);
 - a model with frozen parameters (LoRA) saves its trainable ones and references its frozen base,
   written or hashed once per run, and every load reads the base through that reference first
   (``base.py``);
@@ -13,7 +12,9 @@ Its parts live beside it: finding and checking checkpoints without reading tenso
 (``discovery.py``; :func:`complete_checkpoints`, :func:`read_trainer_state` and
 :func:`inspect_checkpoint` are re-exported here), renaming a save in and rotating
 (``rotation.py``), the save in flight of ``async_mode=thread|process`` (``staging.py``), and the
-one-line report of a failed save or an unreadable checkpoint (``diagnostics.py``).
+one-line report of a failed save or an unreadable checkpoint (``diagnostics.py``), and reading a
+checkpoint back into a model (``restore.py``; :func:`load_model_weights`, the weights only, is
+re-exported here).
 
 See ``portatrain.checkpoint`` for the on-disk layout and the atomicity rule.
 """
@@ -21,7 +22,6 @@ See ``portatrain.checkpoint`` for the on-disk layout and the atomicity rule.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -33,43 +33,36 @@ from torch import nn
 
 from portatrain.checkpoint.base import (
     BASE_DIR,
-    checked_reference,
-    frozen_state_dict,
     has_frozen_parameters,
     init_from_reference,
-    read_base_state,
     trainable_options,
     write_base,
 )
 from portatrain.checkpoint.common import (
     FORMAT,
-    METADATA,
     TRAINER_STATE,
     CheckpointError,
     any_rank,
     get_rank,
     get_world_size,
     remove_leftovers,
-    some,
     write_json,
 )
 from portatrain.checkpoint.diagnostics import raise_save_failure, unreadable
 from portatrain.checkpoint.discovery import complete_checkpoints as complete_checkpoints
-from portatrain.checkpoint.discovery import inspect_checkpoint, read_index
+from portatrain.checkpoint.discovery import inspect_checkpoint
 from portatrain.checkpoint.discovery import read_trainer_state as read_trainer_state
-from portatrain.checkpoint.hf import load_hf_weights
+from portatrain.checkpoint.restore import check_shapes, load_base, read_dataloader_file, saved_dtypes
+from portatrain.checkpoint.restore import load_model_weights as load_model_weights
 from portatrain.checkpoint.rotation import publish
 from portatrain.checkpoint.safe_metadata import safe_reader
 from portatrain.checkpoint.staging import AsyncSaves
-from portatrain.checkpoint.verify import ALGORITHM, check_json_digest, checksums, flat_tensors, verify_loaded
+from portatrain.checkpoint.verify import ALGORITHM, checksums, flat_tensors, verify_loaded
 
 # torch.distributed.checkpoint is imported inside the functions that use it: `portatrain --help`
 # should not pay DCP's ~0.8 s import.
 
 logger = logging.getLogger(__name__)
-
-LEGACY_MODEL_NAME = "llama3"
-"""The family of checkpoints saved before ``trainer_state.json`` recorded ``model_name``."""
 
 
 class Checkpointer:
@@ -344,20 +337,20 @@ class Checkpointer:
         same_world = state.get("world_size") == get_world_size()
         rank = get_rank()
         # Read the loader state first: a missing or garbled file fails before any tensor is loaded.
-        loader_state = _read_loader_state(path, rank if same_world else 0) if read_loader_state else None
+        loader_state = read_dataloader_file(path, rank if same_world else 0) if read_loader_state else None
 
         has_base = "base" in state  # its frozen parameters are in the base it references
         options = trainable_options() if has_base else None
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-        _check_shapes(path, metadata, model_sd)
+        check_shapes(path, metadata, model_sd)
         tensors: dict[str, Any] = {"model": model_sd, "optim": optim_sd["state"]}
         rng_key = f"rng.rank{rank}."
         if same_world and any(k.startswith(rng_key) for k in metadata.state_dict_metadata):
             rng = {k: v.clone() for k, v in rng_template.items() if isinstance(v, torch.Tensor)}
             tensors["rng"] = {f"rank{rank}": rng}
         param_groups = _current_param_groups(path, state["optimizer_param_groups"], optim_sd["param_groups"])
-        saved_dtypes = _saved_dtypes(metadata)
-        base = _load_base(path, state, model)
+        dtypes = saved_dtypes(metadata)
+        base = load_base(path, state, model)
         try:
             dcp.load(tensors, storage_reader=safe_reader(str(path)))
             # Before anything is handed to the optimizer: the content is what was saved, and finite.
@@ -365,7 +358,7 @@ class Checkpointer:
                 path,
                 flat_tensors({"model": tensors["model"], "optim": tensors["optim"]}),
                 state.get("checksums"),
-                saved_dtypes,
+                dtypes,
             )
             set_state_dict(
                 model,
@@ -381,102 +374,6 @@ class Checkpointer:
         self.last_step, self.last_verified = int(state["step"]), "loaded"
         self.base, self._loaded = base, True
         return state, loader_state, tensors.get("rng", {}).get(f"rank{rank}")
-
-
-def _saved_dtypes(metadata: Any) -> dict[str, torch.dtype]:
-    """The dtype of each tensor in a checkpoint (a tensor loaded into another one cannot be compared)."""
-    return {
-        k: v.properties.dtype for k, v in metadata.state_dict_metadata.items() if hasattr(v, "properties")
-    }
-
-
-def load_model_weights(path: Path, model: nn.Module) -> dict[str, Any]:
-    """Load only the model's weights from checkpoint ``path`` (resharded to the model's layout, checked
-    against the checksums written at save time and for finiteness, like :meth:`Checkpointer.load`);
-    returns its ``trainer_state.json``. For a model that is evaluated, not trained on: no optimizer."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        set_model_state_dict,
-    )
-
-    path = Path(path)
-    state, metadata = inspect_checkpoint(path)
-    has_base = "base" in state  # its frozen parameters are in the base it references
-    model_sd = get_model_state_dict(model, options=trainable_options() if has_base else None)
-    _check_shapes(path, metadata, model_sd)
-    _load_base(path, state, model)
-    _read_verified(path, metadata, {"model": model_sd}, state.get("checksums"))
-    set_model_state_dict(model, model_sd, options=StateDictOptions(strict=not has_base))
-    return state
-
-
-def _load_base(path: Path, state: Mapping[str, Any], model: nn.Module) -> dict[str, str] | None:
-    """Load ``model``'s frozen parameters from the base checkpoint ``path`` references, once its
-    SHA-256 is checked (``portatrain.checkpoint.base``); returns the reference, None for a checkpoint
-    that holds every tensor itself. Collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    reference = checked_reference(path, state)
-    if reference is None:
-        return None
-    base = Path(reference["path"])
-    if reference["kind"] == "init_from":
-        load_hf_weights(model, base, _family(path, state))
-        return reference
-    base_state, metadata = read_base_state(base), read_index(base)
-    frozen = frozen_state_dict(model)
-    _check_shapes(base, metadata, frozen)
-    _read_verified(base, metadata, {"model": frozen}, base_state.get("checksums"))
-    set_model_state_dict(model, frozen, options=StateDictOptions(strict=False))
-    return reference
-
-
-def _read_verified(path: Path, metadata: Any, tensors: dict[str, Any], recorded: Any) -> None:
-    """Read ``tensors`` from the DCP directory ``path``, then check them against the ``recorded``
-    checksums and for finiteness (``verify.verify_loaded``; collective)."""
-    import torch.distributed.checkpoint as dcp
-
-    try:
-        dcp.load(tensors, storage_reader=safe_reader(str(path)))
-        verify_loaded(path, flat_tensors(tensors), recorded, _saved_dtypes(metadata))
-    except CheckpointError:
-        raise
-    except (Exception, dcp.CheckpointException) as exc:
-        raise unreadable(path, exc) from None
-
-
-def _family(path: Path, state: Mapping[str, Any]) -> Any:
-    """The ``ModelSpec`` of the family a checkpoint records (its Hugging Face names read its base)."""
-    from portatrain.models import SPECS
-
-    name = state.get("model_name", LEGACY_MODEL_NAME)
-    if name not in SPECS:
-        raise CheckpointError(
-            f"checkpoint {path}: model family {name!r} is not registered in this portatrain "
-            f"(known: {', '.join(SPECS)})"
-        )
-    return SPECS[name]
-
-
-def _read_loader_state(path: Path, rank: int) -> dict[str, Any] | None:
-    """``dataloader_rank<R>.json``; missing or unreadable is an error, never a silent restart at epoch 0."""
-    file = path / f"dataloader_rank{rank}.json"
-    fix = (
-        "resume from an earlier step_* directory, or set checkpoint.restore_data=false to train on "
-        "with a fresh data order (restarting at epoch 0)"
-    )
-    if not file.is_file():
-        raise CheckpointError(f"checkpoint file {file} is missing, so the data position is lost; {fix}")
-    try:
-        value = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint file {file} is unreadable ({exc}); {fix}") from None
-    if value is not None and not isinstance(value, dict):
-        raise CheckpointError(
-            f"checkpoint file {file} holds a JSON {type(value).__name__}, not a loader state; {fix}"
-        )
-    return None if value is None else check_json_digest(file, value, fix)
 
 
 def _current_param_groups(
@@ -520,40 +417,6 @@ def changed_hyperparameters(saved: list[dict[str, Any]], current: list[dict[str,
             if before is not None and after is not None and before != after:
                 changes.add(f"{name} {before} -> {after}")
     return sorted(changes)
-
-
-def _check_shapes(path: Path, metadata: Any, model_sd: Mapping[str, Any]) -> None:
-    """Compare the model's tensors with the checkpoint's; raise once listing every difference."""
-    saved = {
-        k.removeprefix("model."): tuple(v.size)
-        for k, v in metadata.state_dict_metadata.items()
-        if k.startswith("model.") and hasattr(v, "size")
-    }
-    ours = {k: tuple(v.shape) for k, v in model_sd.items()}
-    if get_world_size() > 1:  # pipeline stages hold different layers: the model is all ranks' together
-        import torch.distributed as dist
-
-        gathered: list[Any] = [None] * get_world_size()
-        dist.all_gather_object(gathered, ours)
-        ours = {k: shape for rank_shapes in gathered for k, shape in rank_shapes.items()}
-    problems = [
-        f"{k}: checkpoint {list(saved[k])}, model {list(ours[k])}"
-        for k in ours
-        if k in saved and saved[k] != ours[k]
-    ]
-    missing = [k for k in ours if k not in saved]
-    unexpected = [k for k in saved if k not in ours]
-    if missing:
-        problems.append(f"in the model but not in the checkpoint: {some(missing)}")
-    if unexpected:
-        problems.append(f"in the checkpoint but not in the model: {some(unexpected)}")
-    if problems:
-        raise CheckpointError(
-            f"checkpoint {path / METADATA} does not fit this model:\n  - "
-            + "\n  - ".join(problems)
-            + f"\nResume with the model settings it was saved with (see {path / 'config.yaml'}), "
-            "or start a new run_dir."
-        )
 
 
 def model_args_dict(model: nn.Module) -> dict[str, Any] | None:
