@@ -133,30 +133,13 @@ def _render_job(
     launch = cfg.launch
     name = job_name(cfg)
     grace = int(launch.save_grace)
-    directives = [
-        f"--job-name={name}" if replica_groups is None else f"--job-name={name}-group",
-        f"--nodes={launch.nodes}",
-        "--ntasks-per-node=1",  # one torchrun agent per node; it starts the workers
-        "--exclusive",
-        f"--chdir={workdir}",
-        f"--output={log_file(name) if replica_groups is None else f'{name}-group-%A_%a.out'}",
-        "--open-mode=append",  # a requeued job continues its log instead of truncating it
-        "--requeue",
-        f"--signal=B:USR1@{grace}",  # to this script, not the step: see the comment above the trap
-    ]
-    if replica_groups is not None:  # one array task per replica group, each requeued alone
-        directives.append(f"--array=0-{replica_groups - 1}")
-    if cfg.device.type == "cuda":
-        directives.append(f"--gpus-per-node={launch.procs_per_node}")
-    directives += _optional_directives(launch)
-
     lines = [
         "#!/bin/bash",
         f"# portatrain job: {describe_job(cfg)}.",
         "# Rendered by `portatrain render` from the same config as the training run; submit with `sbatch FILE`.",
         "# Preemption, requeue and the time limit: the run resumes from its newest checkpoint in",
         "# runs/<recipe>/<job id> (checkpoint.resume=auto); see the trap below.",
-        *(f"#SBATCH {d}" for d in directives),
+        *(f"#SBATCH {d}" for d in _job_directives(cfg, name, workdir=workdir, replica_groups=replica_groups)),
         "",
         "set -euo pipefail",
         "",
@@ -194,6 +177,36 @@ def _render_job(
             'export PORTATRAIN_RUN_ID="${PORTATRAIN_RUN_ID:-$SLURM_ARRAY_JOB_ID}"',
             "",
         ]
+    lines += _training_step(cfg, overrides, replica_groups=replica_groups)
+    return "\n".join(lines) + "\n"
+
+
+def _job_directives(cfg: Any, name: str, *, workdir: str, replica_groups: int | None) -> list[str]:
+    """The ``#SBATCH`` options of the training job (an array of ``replica_groups`` when given)."""
+    launch = cfg.launch
+    grace = int(launch.save_grace)
+    directives = [
+        f"--job-name={name}" if replica_groups is None else f"--job-name={name}-group",
+        f"--nodes={launch.nodes}",
+        "--ntasks-per-node=1",  # one torchrun agent per node; it starts the workers
+        "--exclusive",
+        f"--chdir={workdir}",
+        f"--output={log_file(name) if replica_groups is None else f'{name}-group-%A_%a.out'}",
+        "--open-mode=append",  # a requeued job continues its log instead of truncating it
+        "--requeue",
+        f"--signal=B:USR1@{grace}",  # to this script, not the step: see the comment above the trap
+    ]
+    if replica_groups is not None:  # one array task per replica group, each requeued alone
+        directives.append(f"--array=0-{replica_groups - 1}")
+    if cfg.device.type == "cuda":
+        directives.append(f"--gpus-per-node={launch.procs_per_node}")
+    return directives + _optional_directives(launch)
+
+
+def _training_step(cfg: Any, overrides: Sequence[str], *, replica_groups: int | None) -> list[str]:
+    """srun of torchrun in the background, then the wait that lets the time-limit trap requeue."""
+    launch = cfg.launch
+    grace = int(launch.save_grace)
     rdzv = torchrun_args(
         nnodes='"$SLURM_JOB_NUM_NODES"',
         nproc_per_node=launch.procs_per_node,
@@ -211,8 +224,10 @@ def _render_job(
         rdzv.append(f"--max-restarts={launch.max_restarts}")
         arguments.append('fault_tolerance.replica_id="$SLURM_ARRAY_TASK_ID"')
     command = [*rdzv, " ".join(arguments)]
-    lines.append("# In the background: bash runs a trap only once the foreground command has returned.")
-    lines.append("srun --kill-on-bad-exit=1 torchrun \\")
+    lines = [
+        "# In the background: bash runs a trap only once the foreground command has returned.",
+        "srun --kill-on-bad-exit=1 torchrun \\",
+    ]
     lines += [f"    {arg} \\" for arg in command[:-1]]
     lines.append(f"    {command[-1]} &")
     lines += [
@@ -226,7 +241,7 @@ def _render_job(
         "fi",
         'exit "$status"',
     ]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def parse_job_id(sbatch_stdout: str) -> str:
