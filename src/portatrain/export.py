@@ -33,12 +33,11 @@ import torch
 
 from portatrain.checkpoint import (
     CheckpointError,
+    ModelTensors,
     find_checkpoint,
     inspect_checkpoint,
     nonfinite_keys,
-    safe_reader,
 )
-from portatrain.checkpoint.common import root_causes, short_cause
 from portatrain.config import ExportConfig
 from portatrain.dtypes import DTYPE_NAMES, DTYPES, dtype_problem
 from portatrain.errors import ConfigError
@@ -100,8 +99,9 @@ def export_hf(
 ) -> Path:
     """Write the model weights of a portatrain checkpoint as a Hugging Face model directory.
 
-    A LoRA checkpoint (``finetune.method=lora``) writes the frozen base model and, in ``out/adapter``,
-    its adapters in PEFT's format (``peft.PeftModel.from_pretrained(base, out/adapter)``); with
+    A LoRA checkpoint (``finetune.method=lora``) writes the frozen base model (read from the base the
+    checkpoint references: ``portatrain.checkpoint.base``) and, in ``out/adapter``, its adapters in
+    PEFT's format (``peft.PeftModel.from_pretrained(base, out/adapter)``); with
     ``merge_lora`` the adapters are merged into the weights instead: a plain model.
     """
     from safetensors.torch import save_file
@@ -121,17 +121,15 @@ def export_hf(
     spec, args = checkpoint_spec(checkpoint, state, what="exported")
 
     with torch.device("meta"):
-        keys = list(spec.model_cls(args).state_dict())  # HF order: embedding, layers 0..n, norm, head
+        like = spec.model_cls(args).state_dict()  # HF order: embedding, layers 0..n, norm, head
+    keys = list(like)
     target = DTYPES[dtype]
-    sizes = {}
-    for key in keys:
-        entry = metadata.state_dict_metadata.get(f"model.{key}")
-        if entry is None:
-            raise CheckpointError(f"checkpoint {checkpoint / '.metadata'} has no tensor model.{key}")
-        sizes[key] = entry.size.numel() * target.itemsize
+    sizes = {key: like[key].numel() * target.itemsize for key in keys}
     shards = _plan_shards(keys, sizes, max_shard_size)
+    # A LoRA checkpoint's frozen weights are read from the base it references, once that is checked.
+    model_tensors = ModelTensors(checkpoint, state, metadata, like=like, spec=spec)
     lora = state.get("lora")
-    adapters = _read_tensors(checkpoint, metadata, adapter_keys(lora)) if lora else {}
+    adapters = model_tensors.read(adapter_keys(lora)) if lora else {}
 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -140,7 +138,7 @@ def export_hf(
         weight_map: dict[str, str] = {}
         for i, shard in enumerate(shards, start=1):
             name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            tensors = _read_tensors(checkpoint, metadata, shard)
+            tensors = model_tensors.read(shard)
             if lora and merge_lora:
                 merge_lora_into(tensors, adapters, lora)
             bad = nonfinite_keys(tensors)  # the rule a checkpoint load applies
@@ -187,25 +185,6 @@ def export_hf(
         "exported step %s: %d shard(s), %.1f MB", state["step"], len(shards), sum(sizes.values()) / 1e6
     )
     return out
-
-
-def _read_tensors(checkpoint: Path, metadata: Any, keys: list[str]) -> dict[str, torch.Tensor]:
-    """The checkpoint's ``model.<key>`` tensors for ``keys`` (a partial ``dcp.load``: only these are read)."""
-    import torch.distributed.checkpoint as dcp
-
-    entries = {key: metadata.state_dict_metadata.get(f"model.{key}") for key in keys}
-    missing = [key for key, entry in entries.items() if entry is None]
-    if missing:
-        raise CheckpointError(f"checkpoint {checkpoint / '.metadata'} has no tensor model.{missing[0]}")
-    tensors = {key: torch.empty(entry.size, dtype=entry.properties.dtype) for key, entry in entries.items()}
-    try:
-        dcp.load({"model": tensors}, storage_reader=safe_reader(str(checkpoint)))
-    except (Exception, dcp.CheckpointException) as exc:  # the latter is a BaseException
-        raise CheckpointError(
-            f"reading checkpoint {checkpoint} failed ({short_cause(root_causes(exc)[0])}); a *.distcp "
-            "file was overwritten or damaged -- export an earlier step_* directory"
-        ) from None
-    return tensors
 
 
 def _save_safetensors(save_file: Any, tensors: dict[str, torch.Tensor], path: Path) -> None:
