@@ -119,7 +119,7 @@ def test_rendered_jobs_never_hold_a_pat_or_a_token_shaped_value(scheduler: str) 
 
 def test_render_refuses_a_credential_outside_launch_env() -> None:
     overrides = [*TINY, f"parallel.launch.setup=['huggingface-cli login --token {HUGGING_FACE}']"]
-    with pytest.raises(ConfigError, match=r"would hold 1 credential.*\+parallel\.launch\.env\.NAME=VALUE"):
+    with pytest.raises(ConfigError, match=r"would hold 1 credential.*pass a secret as \+launch\.env\.NAME=VALUE"):
         render_job(compose_config(overrides), overrides)
 
 
