@@ -46,6 +46,11 @@ def validate(cfg: Config) -> None:
 
 def config_problems(cfg: Config) -> list[str]:
     """Every problem of ``cfg``, each with its fix (empty when it can run)."""
+    return _stage_problems(cfg) + _cross_stage_problems(cfg)
+
+
+def _stage_problems(cfg: Config) -> list[str]:
+    """Each stage's problems with its own section (and the few sections it reads beside it)."""
     problems = device_problems(cfg.device.type)
     if cfg.device.memory_gib is not None and not cfg.device.memory_gib > 0:
         problems.append(
@@ -82,8 +87,13 @@ def config_problems(cfg: Config) -> list[str]:
             f"parallel.activation_checkpointing={cfg.parallel.activation_checkpointing!r} is not one of "
             f"{', '.join(AC_MODES)}"
         )
+    return problems
 
-    # Checks across stages need a valid model; an invalid one was reported above.
+
+def _cross_stage_problems(cfg: Config) -> list[str]:
+    """Problems between stages: the rows against the model, the layout against the job and the
+    model. They need a valid model; an invalid one is :func:`_stage_problems`' to report."""
+    problems = []
     args = None
     if not model_problems(cfg.model):
         args = model_args(cfg.model)
@@ -96,7 +106,9 @@ def config_problems(cfg: Config) -> list[str]:
     # The adapter says whether its compiler wants static shapes (device=auto: assume it does).
     adapter = ACCELERATORS.get(cfg.device.type)
     static_shapes = adapter.static_shapes if adapter is not None else True
-    static_dispatch = cfg.model.moe_dispatch == "capacity" or (cfg.model.moe_dispatch == "auto" and static_shapes)
+    static_dispatch = cfg.model.moe_dispatch == "capacity" or (
+        cfg.model.moe_dispatch == "auto" and static_shapes
+    )
     if cfg.parallel.ep > 1 and static_dispatch and len(set(lengths)) > 1:
         # Capacity dispatch sizes each rank's slot buffer from its tokens; expert parallel exchanges
         # those buffers in equal splits, so every rank must run the same row length in a step.
