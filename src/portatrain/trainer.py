@@ -386,6 +386,7 @@ class Trainer:
             self.save_checkpoint()
             self.checkpointer.wait()
         self._close_data_iter()
+        log.close()  # the end summary, after the last save
         return last
 
     def _after_step(self, cfg: Any, metrics: dict, log: StepLog, stop: bool, last: dict) -> dict[str, Any]:
@@ -401,21 +402,12 @@ class Trainer:
         if self.eval_task_names and every and (self.step % every == 0 or at_end):
             evals.append(self.evaluate_tasks)
         for evaluate in evals:
-            last.update(self._evaluate_and_log(evaluate))
+            last.update(log.evaluated(evaluate))
             self.window.restart_clock()  # evaluation time is not training throughput
         if save_now:
             self.save_checkpoint()
             self.window.restart_clock()
         return last
-
-    def _evaluate_and_log(self, evaluate: Any) -> dict[str, float]:
-        """``evaluate`` (:meth:`evaluate` or :meth:`evaluate_tasks`; its compilation watched, the runtime
-        audit paused), logged, then :meth:`on_eval_end`."""
-        with self.compile_monitor.watch(what="evaluation"), self.runtime_audit.paused():
-            eval_metrics = evaluate()
-        self.metrics.log({"step": self.step, **eval_metrics})
-        self.on_eval_end(self.step, eval_metrics)
-        return eval_metrics
 
     def save_checkpoint(self) -> Path:
         """Save everything a resume needs (collective; the layout: ``portatrain.checkpoint``). A
