@@ -147,7 +147,7 @@ def test_submit_reports_a_rejection_with_the_schedulers_reason(tmp_path: Path, p
         "#!/bin/bash\necho 'sbatch: error: Batch job submission failed: Invalid account or "
         "account/partition combination specified' >&2\nexit 1\n",
     )
-    out = portatrain(["submit", "parallel.launch.account=nope"], path=bin_dir)
+    out = portatrain(["submit", "launch.account=nope"], path=bin_dir)
     assert out.returncode == 2
     assert out.stderr.strip() == (
         "portatrain submit: error: the scheduler rejected the job (`sbatch --parsable` exited with 1): "

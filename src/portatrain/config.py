@@ -411,7 +411,7 @@ class ParallelConfig:
         default_factory=MovedLaunchConfig, metadata={"moved_to": "launch"}
     )
     """Deprecated: the old home of the top-level ``launch`` section. ``parallel.launch.X`` is applied as
-    ``launch.X`` with a warning (``portatrain.moved_keys``); it is removed in the next release."""
+    ``launch.X`` with a warning (``portatrain.launch.moved_keys``); it is removed in the next release."""
 
 
 @dataclass

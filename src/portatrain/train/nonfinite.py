@@ -67,7 +67,9 @@ class NonFiniteGuard:
         self.skipped = 0
         """Steps skipped for a non-finite loss or gradient norm so far (``on_nonfinite=skip_step``)."""
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, ok: torch.Tensor, *, skip: bool = False) -> None:
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, ok: torch.Tensor, *, skip: bool = False
+    ) -> None:
         """``optimizer.step()``; with ``skip_step`` (or ``skip``: another guard, e.g. the loss-spike
         guard, may veto steps) a step where ``ok`` is false leaves parameters and optimizer state as
         they were -- decided on the device, no host sync."""

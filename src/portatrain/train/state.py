@@ -61,7 +61,11 @@ class TrainState:
             "step": self.step,
             "tokens_seen": self.tokens_seen,
             "lr_scheduler": self.lr_scheduler.state_dict(),
-            **({"parts": {name: part.state_dict() for name, part in self.parts.items()}} if self.parts else {}),
+            **(
+                {"parts": {name: part.state_dict() for name, part in self.parts.items()}}
+                if self.parts
+                else {}
+            ),
         }
 
     def restore(self, record: dict[str, Any], loader_state: Any, rng_state: Any, source: Path) -> None:
