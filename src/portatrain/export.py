@@ -106,18 +106,11 @@ def export_hf(
     """
     from safetensors.torch import save_file
 
-    from portatrain.data.tokenizer import build_tokenizer, copy_tokenizer_files
-
     if dtype not in DTYPES:
         raise ConfigError(f"export.dtype={dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
     checkpoint = Path(checkpoint)
     state, metadata = inspect_checkpoint(checkpoint)
-    if out.exists() and not out.is_dir():
-        raise CheckpointError(
-            f"export.out={out} is an existing file; export writes a directory there -- choose a new path"
-        )
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"export.out={out} already exists and is not empty; choose a new directory")
+    _check_out(out)
     spec, args = checkpoint_spec(checkpoint, state, what="exported")
 
     with torch.device("meta"):
@@ -155,16 +148,9 @@ def export_hf(
             weight_map.update(dict.fromkeys(hf, name))
             del tensors, hf
 
-        tokenizer = build_tokenizer(state.get("tokenizer", "byte"))
-        config = {
-            **spec.hf.config(args, torch_dtype=dtype),
-            "bos_token_id": tokenizer.bos_id,
-            "eos_token_id": tokenizer.eos_id,
-            "pad_token_id": tokenizer.pad_id,
-        }
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        # The tokenizer's own files next to the weights: AutoTokenizer.from_pretrained(out) just works.
-        copy_tokenizer_files(state.get("tokenizer", "byte"), tmp)
+        _write_config_and_tokenizer(
+            tmp, spec.hf.config(args, torch_dtype=dtype), state.get("tokenizer", "byte")
+        )
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         if lora and not merge_lora:
@@ -185,6 +171,31 @@ def export_hf(
         "exported step %s: %d shard(s), %.1f MB", state["step"], len(shards), sum(sizes.values()) / 1e6
     )
     return out
+
+
+def _check_out(out: Path) -> None:
+    """``export.out`` must be a new or empty directory (an export never overwrites anything)."""
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(
+            f"export.out={out} is an existing file; export writes a directory there -- choose a new path"
+        )
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"export.out={out} already exists and is not empty; choose a new directory")
+
+
+def _write_config_and_tokenizer(directory: Path, config: dict[str, Any], tokenizer_name: str) -> None:
+    """``config.json`` with the tokenizer's special ids, and the tokenizer's own files next to the
+    weights, so ``AutoTokenizer.from_pretrained(out)`` just works."""
+    from portatrain.data.tokenizer import build_tokenizer, copy_tokenizer_files
+
+    tokenizer = build_tokenizer(tokenizer_name)
+    ids = {
+        "bos_token_id": tokenizer.bos_id,
+        "eos_token_id": tokenizer.eos_id,
+        "pad_token_id": tokenizer.pad_id,
+    }
+    (directory / "config.json").write_text(json.dumps({**config, **ids}, indent=2) + "\n")
+    copy_tokenizer_files(tokenizer_name, directory)
 
 
 def _save_safetensors(save_file: Any, tensors: dict[str, torch.Tensor], path: Path) -> None:
