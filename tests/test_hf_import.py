@@ -82,3 +82,30 @@ def test_init_from_errors_name_the_file_and_the_mismatch(tmp_path: Path) -> None
     (tmp_path / "small" / "config.json").write_text(json.dumps(hf_config(args, torch_dtype="float32")))
     with pytest.raises(CheckpointError, match=r"embed_tokens.weight: file \[258, 64\], model \[258, 128\]"):
         init_from(tmp_path / "small", tmp_path / "c")
+
+
+def test_init_from_takes_the_checkpoints_padded_vocabulary(tmp_path: Path, monkeypatch) -> None:
+    """A Hugging Face embedding padded past the tokenizer (Qwen3: 151,669 tokens, 151,936 rows) is
+    built with the checkpoint's rows; a tokenizer larger than the rows, or a ``model.vocab_size``
+    other than them, is one error raised before the model is built."""
+    args = LLAMA3_FLAVORS["debug"]
+    config = transformers.LlamaConfig(**{**hf_config(args, torch_dtype="float32"), "vocab_size": 320})
+    torch.manual_seed(5)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "padded")
+    ours = init_from(tmp_path / "padded", tmp_path / "a")  # the byte tokenizer: 258 tokens
+    assert ours.model.embed_tokens.weight.shape[0] == 320
+    with torch.no_grad():
+        assert (logits(ours) - hf(input_ids=tokens()).logits).abs().max().item() <= ATOL
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was built before the vocabulary was checked")
+
+    monkeypatch.setattr("portatrain.trainer.build_model", never)
+    with pytest.raises(CheckpointError, match="model.vocab_size=384 but .* has 320 embedding rows") as info:
+        init_from(tmp_path / "padded", tmp_path / "b", ["model.vocab_size=384"])
+    assert "set model.vocab_size=320 or leave it unset" in str(info.value)
+    small = json.loads((tmp_path / "padded" / "config.json").read_text()) | {"vocab_size": 200}
+    (tmp_path / "padded" / "config.json").write_text(json.dumps(small))
+    with pytest.raises(CheckpointError, match="has 258 tokens but model.init_from=.* has 200 embedding rows"):
+        init_from(tmp_path / "padded", tmp_path / "c")

@@ -26,6 +26,7 @@ from torch import nn
 from portatrain.accelerators import Accelerator
 from portatrain.audit.runtime import RuntimeAudit
 from portatrain.checkpoint import PreemptionWatcher, load_hf_weights, model_args_dict, sigterm_interrupts
+from portatrain.checkpoint.hf import embedding_rows
 from portatrain.compile import (
     CompileCache,
     CompileMonitor,
@@ -212,8 +213,10 @@ class Trainer:
     # -- hooks -----------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
         """Construct the model (on the meta device; no initialization here). The embedding has the
-        tokenizer's vocabulary unless ``model.vocab_size`` sets a larger one."""
-        return build_model(self.cfg.model, vocab_size=self.tokenizer.vocab_size)
+        tokenizer's vocabulary unless ``model.vocab_size`` sets a larger one, or ``model.init_from``'s
+        rows (checked against both before anything is built)."""
+        rows = embedding_rows(self.cfg.model, self.tokenizer.vocab_size, self.tokenizer.name)
+        return build_model(self.cfg.model, vocab_size=rows)
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Apply TP -> model converters' ``adapt`` (LoRA) -> activation checkpointing -> compile -> FSDP2

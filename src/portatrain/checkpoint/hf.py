@@ -22,6 +22,7 @@ from portatrain.checkpoint.common import CheckpointError, some
 from portatrain.finetune.lora import is_adapter_key
 
 if TYPE_CHECKING:
+    from portatrain.config import ModelConfig
     from portatrain.models.spec import ModelSpec
 
 # config.json fields that may differ between the file and the model: the RoPE table length is a
@@ -45,6 +46,33 @@ def load_hf_weights(model: nn.Module, hf_dir: str | Path, spec: ModelSpec) -> No
     )
 
     hf_dir = Path(hf_dir)
+    config_file, config = read_hf_config(hf_dir)
+    architecture = (config.get("architectures") or [spec.hf.architecture])[0]
+    if architecture != spec.hf.architecture:
+        raise CheckpointError(
+            f"model.init_from: {config_file} is a {architecture}, but this run's model.name={spec.name} "
+            f"reads {spec.hf.architecture}; choose the model config of that family (model=...)"
+        )
+    try:
+        theirs = spec.hf.args_from_config(config)
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(
+            f"model.init_from: {config_file} is not a usable {spec.hf.architecture} config: {exc}"
+        ) from None
+    ours = getattr(model, "args", None)
+    if ours is not None:
+        _check_hf_args(config_file, spec, theirs, ours)
+
+    # LoRA adapters (finetune.method=lora) are not in the base model's files: they start from their init.
+    full = get_model_state_dict(model)
+    base = {k: v for k, v in full.items() if not is_adapter_key(k)}
+    state = read_hf_tensors(hf_dir, base, spec)
+    set_model_state_dict(model, state, options=StateDictOptions(strict=len(base) == len(full)))
+
+
+def read_hf_config(hf_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """``config.json`` of a Hugging Face directory with safetensors weights (its path and content);
+    a :class:`CheckpointError` naming the file and the fix when either is missing or unreadable."""
     config_file = hf_dir / "config.json"
     if not config_file.is_file():
         raise CheckpointError(
@@ -69,27 +97,43 @@ def load_hf_weights(model: nn.Module, hf_dir: str | Path, spec: ModelSpec) -> No
             f"model.init_from={hf_dir}: {config_file} holds a JSON {type(config).__name__}, not the object "
             "of a Hugging Face config; point it at a Hugging Face model directory"
         )
-    architecture = (config.get("architectures") or [spec.hf.architecture])[0]
-    if architecture != spec.hf.architecture:
-        raise CheckpointError(
-            f"model.init_from: {config_file} is a {architecture}, but this run's model.name={spec.name} "
-            f"reads {spec.hf.architecture}; choose the model config of that family (model=...)"
-        )
-    try:
-        theirs = spec.hf.args_from_config(config)
-    except (ValueError, KeyError) as exc:
-        raise CheckpointError(
-            f"model.init_from: {config_file} is not a usable {spec.hf.architecture} config: {exc}"
-        ) from None
-    ours = getattr(model, "args", None)
-    if ours is not None:
-        _check_hf_args(config_file, spec, theirs, ours)
+    return config_file, config
 
-    # LoRA adapters (finetune.method=lora) are not in the base model's files: they start from their init.
-    full = get_model_state_dict(model)
-    base = {k: v for k, v in full.items() if not is_adapter_key(k)}
-    state = read_hf_tensors(hf_dir, base, spec)
-    set_model_state_dict(model, state, options=StateDictOptions(strict=len(base) == len(full)))
+
+def embedding_rows(model_cfg: ModelConfig, tokenizer_vocab: int, tokenizer_name: str) -> int:
+    """The rows of the embedding the run builds: the tokenizer's vocabulary, or with
+    ``model.init_from`` the checkpoint's own rows, read from its ``config.json`` before anything is built.
+
+    Hugging Face checkpoints pad their embedding past the tokenizer (Qwen3: 151,669 tokens, 151,936
+    rows; https://huggingface.co/Qwen/Qwen3-0.6B/blob/main/config.json), so a smaller tokenizer is
+    normal and the model takes the checkpoint's rows; a larger one would index past them, and a
+    ``model.vocab_size`` other than the rows could not load them: both are refused here.
+    """
+    if not model_cfg.init_from:
+        return tokenizer_vocab
+    from portatrain.models import get_spec
+
+    hf_dir, spec = Path(model_cfg.init_from), get_spec(model_cfg.name)
+    config_file, config = read_hf_config(hf_dir)
+    try:
+        if (config.get("architectures") or [spec.hf.architecture])[0] != spec.hf.architecture:
+            raise ValueError("another family")
+        rows = int(spec.hf.args_from_config(config).vocab_size)
+    except (ValueError, KeyError, TypeError):
+        return tokenizer_vocab  # not this family's config: load_hf_weights names what is wrong
+    if tokenizer_vocab > rows:
+        raise CheckpointError(
+            f"data.tokenizer={tokenizer_name} has {tokenizer_vocab:,} tokens but model.init_from={hf_dir} "
+            f"has {rows:,} embedding rows ({config_file.name} vocab_size), so ids from {rows:,} up have no "
+            "row; train with the tokenizer saved with those weights (data.tokenizer=<its directory>)"
+        )
+    if model_cfg.vocab_size is not None and model_cfg.vocab_size != rows:
+        raise CheckpointError(
+            f"model.vocab_size={model_cfg.vocab_size} but model.init_from={hf_dir} has {rows:,} embedding "
+            f"rows ({config_file.name} vocab_size); set model.vocab_size={rows} or leave it unset "
+            "(the checkpoint's rows are then used)"
+        )
+    return rows
 
 
 def read_hf_tensors(
