@@ -152,7 +152,6 @@ def test_copied_files_load_with_transformers(bpe_dir, tmp_path):
     out = tmp_path / "export"
     out.mkdir()
     assert copy_tokenizer_files(str(bpe_dir), out) == ["tokenizer.json", "tokenizer_config.json"]
-    assert copy_tokenizer_files("byte", out) == []
     hf = transformers.AutoTokenizer.from_pretrained(str(out))
     ours = build_tokenizer(str(bpe_dir))
     text = "Ada gave the lamp to Ben."
@@ -160,6 +159,23 @@ def test_copied_files_load_with_transformers(bpe_dir, tmp_path):
     assert hf(text)["input_ids"] == ours.encode(text, eos=False)  # BOS from the post-processor
     assert hf.eos_token_id == ours.eos_id and hf.bos_token_id == ours.bos_id
 
+
+
+def test_byte_tokenizer_files_load_with_transformers(tmp_path):
+    """An export of a byte-tokenizer run carries tokenizer files (lm-eval's ``--model hf`` loads them
+    with ``AutoTokenizer``): the byte tokenizer's ids, BOS first with special tokens as HF's causal
+    models add them, a text that spells a special token read as bytes; portatrain reads them back."""
+    transformers = pytest.importorskip("transformers")
+    assert copy_tokenizer_files("byte", tmp_path) == ["tokenizer.json", "tokenizer_config.json"]
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    byte = ByteTokenizer()
+    for text in ["Ada gave the lamp to Ben.", "  h\u00e9llo \U0001f600\n\t", "spelt <|eos|> and <|bos|>", ""]:
+        assert hf(text)["input_ids"] == byte.encode(text, eos=False)
+        assert hf(text, add_special_tokens=False)["input_ids"] == byte.encode(text, bos=False, eos=False)
+        assert hf.decode(byte.encode(text), skip_special_tokens=True) == text
+    assert (len(hf), hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (258, 256, 257, 257)
+    again = build_tokenizer(str(tmp_path))
+    assert again.encode("Ada \u00fc") == byte.encode("Ada \u00fc") and again.vocab_size == 258
 
 def test_chat_records_train_only_the_assistant_turns(bpe_dir):
     pytest.importorskip("transformers")

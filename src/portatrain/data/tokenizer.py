@@ -9,7 +9,8 @@ What this file does:
 - ``vocab_problem(tokenizer_vocab, model_vocab)``: the model-side vocabulary check (a tokenizer
   smaller than the embedding is fine -- Llama 3 pads to 128,256 -- a larger one is an error).
 - ``copy_tokenizer_files(name, out)``: what ``portatrain export`` puts next to the weights so that
-  ``AutoTokenizer.from_pretrained(out)`` works.
+  ``AutoTokenizer.from_pretrained(out)`` works; for ``byte``, files written by
+  ``write_byte_tokenizer_files``: the same 258 ids as a ``tokenizers`` byte-level BPE with no merges.
 
 Every tokenizer encodes a document as ``[BOS] + ids + [EOS]`` (no BOS when the tokenizer defines
 none). The tokenizer's own post-processor is not used: portatrain adds the special tokens itself,
@@ -166,13 +167,13 @@ def vocab_problem(tokenizer_vocab: int, model_vocab: int, *, tokenizer_name: str
 
 
 def copy_tokenizer_files(name: str, out: str | Path) -> list[str]:
-    """Copy a Hugging Face tokenizer directory's files into ``out`` (``byte``: nothing to copy).
+    """Copy a Hugging Face tokenizer directory's files into ``out`` (``byte``: write its own).
 
-    Returns the names copied. ``AutoTokenizer.from_pretrained(out)`` then loads the tokenizer the
+    Returns the names written. ``AutoTokenizer.from_pretrained(out)`` then loads the tokenizer the
     model was trained with.
     """
     if name == "byte":
-        return []
+        return write_byte_tokenizer_files(out)
     src = Path(str(name)).expanduser()
     if src.is_file():
         src = src.parent
@@ -182,6 +183,60 @@ def copy_tokenizer_files(name: str, out: str | Path) -> list[str]:
             shutil.copyfile(src / file, Path(out) / file)
             copied.append(file)
     return copied
+
+
+BYTE_SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|eos|>"}
+"""How the byte tokenizer's BOS (256) and EOS/pad (257) are spelt in its exported files."""
+
+
+def write_byte_tokenizer_files(out: str | Path) -> list[str]:
+    """``tokenizer.json`` and ``tokenizer_config.json`` for :class:`ByteTokenizer`, so that
+    ``AutoTokenizer.from_pretrained(out)`` (lm-eval's ``--model hf`` included) encodes text to its ids.
+
+    A byte-level BPE with no merges: each UTF-8 byte is one token whose id is the byte, spelt as
+    GPT-2 spells bytes (:func:`_gpt2_byte_chars`); BOS and EOS are added tokens 256 and 257. Like
+    the Llama tokenizers, ``add_special_tokens=True`` puts BOS first (the post-processor), which is
+    how portatrain's training documents and evaluation contexts start. ``split_special_tokens``: a
+    text that spells ``<|eos|>`` is bytes, as the byte tokenizer reads it, not the special token.
+    """
+    from tokenizers import AddedToken, decoders, pre_tokenizers, processors
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers.models import BPE
+
+    byte = ByteTokenizer()
+    vocab = {char: i for i, char in enumerate(_gpt2_byte_chars())}
+    tok = RustTokenizer(BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    bos, eos = BYTE_SPECIAL_TOKENS["bos_token"], BYTE_SPECIAL_TOKENS["eos_token"]
+    # Added after the 256 bytes, in this order: ids 256 and 257, the byte tokenizer's BOS and EOS.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (bos, eos)])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A:0", pair=f"{bos} $A:0 $B:1", special_tokens=[(bos, byte.bos_id)]
+    )
+    tok.save(str(Path(out) / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **BYTE_SPECIAL_TOKENS,
+        "split_special_tokens": True,
+        "clean_up_tokenization_spaces": False,
+    }
+    (Path(out) / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return ["tokenizer.json", "tokenizer_config.json"]
+
+
+def _gpt2_byte_chars() -> list[str]:
+    """The printable character GPT-2's byte-level BPE writes for each byte 0..255 (``bytes_to_unicode``
+    in https://github.com/openai/gpt-2/blob/master/src/encoder.py, which ``tokenizers``' ByteLevel
+    pre-tokenizer and decoder use): printable Latin-1 bytes stand for themselves, the other 68 take
+    the code points from 256 on, in byte order."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    others = iter(range(256, 256 + 256 - len(printable)))
+    return [chr(b) if b in printable else chr(next(others)) for b in range(256)]
 
 
 def _read_json(path: Path) -> dict[str, Any]:
