@@ -21,6 +21,7 @@ of every step: per-step times need a drained device, so only bench mode pays for
 from __future__ import annotations
 
 import json
+import logging
 import math
 import platform
 import statistics
@@ -33,10 +34,12 @@ from omegaconf import OmegaConf
 
 from portatrain.config import BenchConfig, Config
 from portatrain.errors import ConfigError
-from portatrain.metrics import GIB, memory_high_water, peak_covering, throughput_metrics
+from portatrain.metrics import GIB, above_peak, memory_high_water, throughput_metrics
 
 if TYPE_CHECKING:  # imported by run_bench: the validator reads bench_problems without the Trainer
     from portatrain.trainer import Trainer
+
+logger = logging.getLogger(__name__)
 
 
 def bench_problems(bench_cfg: BenchConfig) -> list[str]:
@@ -130,13 +133,15 @@ def _summarize(trainer: Trainer, cfg: Config, *, start: float, constructed: floa
     times = step_times[1 + warmup :]
     local = torch.tensor([float(sum(s[1] for s in window)), float(sum(s[2] for s in window))])
     tokens, flops = (float(x) for x in trainer._all_reduce_sum(local).tolist())
-    trainer.peak_flops, trainer.peak_flops_source = peak_covering(
+    note = above_peak(
         trainer.peak_flops,
         trainer.peak_flops_source,
         flops=flops,
         elapsed_s=sum(times),
         num_devices=trainer.dist.world_size,
     )
+    if note and trainer.dist.is_main:
+        logger.info(note)
     rates = throughput_metrics(
         tokens=int(tokens),
         flops=flops,

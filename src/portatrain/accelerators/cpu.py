@@ -105,7 +105,10 @@ class PeakMeasurement:
 
     def describe(self) -> str:
         busy = "" if self.quiet else f", busy (load {self.load:.1f})"
-        return f"measured matmul, an estimate, {self.measured_at[:16]}Z{busy}, cached in {self.cached_in}"
+        return (
+            f"measured matmul (MFU on CPU is indicative only), {self.measured_at[:16]}Z{busy}, "
+            f"cached in {self.cached_in}"
+        )
 
 
 def _cores() -> int:

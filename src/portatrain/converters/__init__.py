@@ -87,6 +87,13 @@ class ModelConverters:
         """Every converter's record for a checkpoint's ``trainer_state.json``."""
         return {key: value for converter in self.converters for key, value in converter.record().items()}
 
+    def flops_per_token(self, flops_per_token: Callable[[int], int] | None) -> Callable[[int], int] | None:
+        """The architecture's FLOPs per token as the converted model executes them (None stays None)."""
+        for converter in self.converters:
+            if flops_per_token is not None:
+                flops_per_token = converter.flops_per_token(flops_per_token)
+        return flops_per_token
+
 
 def build_converters(cfg: Config, accelerator: Accelerator, parallel_dims: ParallelDims) -> ModelConverters:
     """The converters ``cfg`` asks for (none by default), each checked against the device and the

@@ -3,6 +3,7 @@ converters: they import this)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -44,6 +45,11 @@ class ModelConverter(Protocol):
         """What a checkpoint's ``trainer_state.json`` keeps of this converter (export reads it)."""
         ...
 
+    def flops_per_token(self, flops_per_token: Callable[[int], int]) -> Callable[[int], int]:
+        """The training FLOPs per token the converted model executes, from the architecture's
+        (``flops_per_token(seq_len)``, for MFU): a converter that adds or skips matmuls says so here."""
+        ...
+
 
 class Converter:
     """No-op defaults of every :class:`ModelConverter` method: a converter overrides what it does."""
@@ -62,6 +68,9 @@ class Converter:
 
     def record(self) -> dict[str, Any]:
         return {}
+
+    def flops_per_token(self, flops_per_token: Callable[[int], int]) -> Callable[[int], int]:
+        return flops_per_token
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ is the base model). What this file does:
   the adapters' keys are ``<layer>.lora_A.weight`` / ``<layer>.lora_B.weight``, PEFT's names;
 * :func:`init_lora` -- PEFT's initialization (``A`` Kaiming-uniform, ``B`` zero);
 * :func:`adapters_disabled` -- the base model, adapters off (DPO's reference);
+* :func:`lora_flops_per_token` -- the training FLOPs a LoRA step executes (MFU): the frozen base's
+  forward and input gradients, the adapters' full cost;
 * :func:`save_peft_adapter` / :func:`merge_lora` -- ``adapter_config.json`` +
   ``adapter_model.safetensors`` that ``peft.PeftModel.from_pretrained`` loads onto the exported base
   model, or the merged weights ``W + (alpha / r) B A`` (``portatrain export merge_lora=true``).
@@ -32,7 +34,7 @@ import contextlib
 import fnmatch
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +187,33 @@ def lora_state(cfg: LoraConfig, modules: list[str]) -> dict[str, Any]:
         "dropout": float(cfg.dropout),
         "modules": list(modules),
     }
+
+
+def adapter_params(model: nn.Module, modules: list[str]) -> int:
+    """Parameters of the adapters on ``modules`` (global sizes: a tensor-parallel ``DTensor``'s
+    ``numel`` is its whole tensor's)."""
+    layers = dict(_named_modules(model))
+    return sum(getattr(layers[m], part).weight.numel() for m in modules for part in ADAPTER_PARTS)
+
+
+def lora_flops_per_token(flops_per_token: Callable[[int], int], adapters: int) -> Callable[[int], int]:
+    """Training FLOPs per token of a LoRA run, as executed, from full fine-tuning's ``flops_per_token``.
+
+    Full fine-tuning costs ``6 N`` per token for the weight matmuls: 2 forward, 2 for the inputs'
+    gradients and 2 for the weights' (PaLM's convention, ``DecoderArgs.flops_per_token``). A frozen
+    weight gets no gradient, so autograd skips its weight-gradient matmul: ``4 N``. The inputs'
+    gradients still run through every frozen layer, as the adapters below them need them (a little
+    less in fact: the first block's inputs come from the frozen embedding and need none). The
+    adapters (``adapters`` parameters, ``A`` and ``B``) train: ``6`` each. Attention's two matmuls
+    (no weights) cost what they cost in full fine-tuning. ``flops_per_token(0)`` is the ``6 N``
+    term alone: attention's term grows with the row length and is 0 at 0.
+    """
+
+    def executed(seq_len: int) -> int:
+        frozen_weight_grads = flops_per_token(0) // 3  # 2 N of the 6 N
+        return flops_per_token(seq_len) - frozen_weight_grads + 6 * adapters
+
+    return executed
 
 
 def adapter_keys(state: Mapping[str, Any]) -> list[str]:

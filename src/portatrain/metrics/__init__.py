@@ -2,8 +2,8 @@
 
 One module per concern:
 
-- ``throughput.py`` -- ``model_flops``, ``resolve_peak_flops`` / ``peak_covering`` (the peak MFU
-  divides by, never below the rate achieved), ``throughput_metrics``, ``memory_metrics``,
+- ``throughput.py`` -- ``model_flops``, ``resolve_peak_flops`` / ``above_peak`` (the peak MFU
+  divides by, fixed for the run, and the line to log when a window runs above it), ``throughput_metrics``, ``memory_metrics``,
   ``checkpoint_metrics`` and ``progress_postfix``: the numbers of a log record;
 - ``sinks.py`` -- ``JSONLSink`` (``<run_dir>/metrics.jsonl``) and ``TensorBoardSink``
   (``<run_dir>/tensorboard``, opt-in), and ``scalars``, the names every sink but JSONL logs under;
@@ -23,11 +23,11 @@ from typing import Any
 from portatrain.metrics.sinks import JSONLSink, TensorBoardSink, scalars
 from portatrain.metrics.throughput import (
     GIB,
+    above_peak,
     checkpoint_metrics,
     memory_high_water,
     memory_metrics,
     model_flops,
-    peak_covering,
     progress_postfix,
     resolve_peak_flops,
     throughput_metrics,
@@ -43,6 +43,7 @@ from portatrain.metrics.trackers import (
 
 __all__ = [
     "GIB",
+    "above_peak",
     "TRACKERS_FILE",
     "JSONLSink",
     "MetricsLogger",
@@ -55,7 +56,6 @@ __all__ = [
     "metrics_problems",
     "mlflow_uri_problem",
     "model_flops",
-    "peak_covering",
     "progress_postfix",
     "resolve_peak_flops",
     "scalars",

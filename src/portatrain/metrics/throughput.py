@@ -4,7 +4,7 @@
   ``flops_per_token(seq_len)`` and the real (``labels != -100``) tokens, counted on the host;
 - ``resolve_peak_flops``: the per-device peak MFU divides by (``metrics.peak_tflops``, else the
   accelerator adapter's datasheet table or, on CPU, its matmul peak measured once per machine and
-  cached), and ``peak_covering``, which raises it when a window runs above it (MFU is never above 100%);
+  cached), fixed for the whole run; ``above_peak`` says when a window runs above it;
 - ``throughput_metrics`` / ``memory_metrics`` / ``checkpoint_metrics``: the step-time, tokens/s,
   MFU, memory and checkpoint-wait fields of a log record; ``progress_postfix`` condenses them for
   the progress bar.
@@ -70,31 +70,29 @@ def resolve_peak_flops(
     return peak, f"{name}, {dtype_name}, {accelerator.peak_flops_source(dtype)}"
 
 
-def peak_covering(
+def above_peak(
     peak: float | None, source: str, *, flops: float, elapsed_s: float, num_devices: int
-) -> tuple[float | None, str]:
-    """The peak to compute MFU with for a window of ``flops`` over ``elapsed_s`` on ``num_devices``
-    (as :func:`throughput_metrics` takes them), never below the rate achieved: MFU <= 100%.
+) -> str | None:
+    """None while a window of ``flops`` over ``elapsed_s`` on ``num_devices`` (as
+    :func:`throughput_metrics` takes them) runs at or below ``peak``; else one line saying why MFU
+    reads above 100%, for the caller to log once.
 
     A rate above the peak means the figure is low, not the run fast: a datasheet figure or
-    ``metrics.peak_tflops`` below what the device does, a CPU measurement (taken once per machine
-    and cached, never again mid-run: a measurement on a machine busy with the run itself would be
-    low) that a warmer clock beats, or a FLOPs model counting more than runs. The peak is raised to
-    the rate achieved, ``source`` says so from then on, and one line is logged at INFO: the
-    figure is an estimate the run has corrected, not a fault of the run, so not a warning.
+    ``metrics.peak_tflops`` below what the device does, a CPU measurement that a warmer clock or a
+    quieter moment beats, or a FLOPs model counting more than runs. The peak is *not* moved: an MFU
+    whose denominator changed mid-run would mean something else after the change than before it
+    (it was raised to the achieved rate once, so every later window read 100%, or below it only
+    because the peak had moved). The line is INFO, not a warning: the run is fine, the figure is
+    an estimate.
     """
     achieved = _per_device(flops, elapsed_s, num_devices)
     if peak is None or achieved <= peak:
-        return peak, source
-    logger.info(
-        "the training step ran at %.4g TFLOP/s per device, above the peak of %.4g TFLOP/s (%s): "
-        "MFU is computed against the rate achieved from now on; set metrics.peak_tflops to choose the peak",
-        achieved / 1e12,
-        peak / 1e12,
-        source,
+        return None
+    return (
+        f"MFU reads above 100%: the step ran at {achieved / 1e12:.4g} TFLOP/s per device, above the "
+        f"peak of {peak / 1e12:.4g} TFLOP/s ({source}); the peak stays as it is for the whole run, "
+        "set metrics.peak_tflops to choose it"
     )
-    base, _, _ = source.partition("; raised")
-    return achieved, f"{base}; raised to the achieved rate"
 
 
 def throughput_metrics(

@@ -48,7 +48,8 @@ class BuiltModel:
     hooks: ModelRuntime
     """The family's hooks around the step (:attr:`ModelSpec.runtime`)."""
     flops_per_token: Any
-    """The architecture's FLOPs per token (``model.flops_per_token(seq_len)``), or None."""
+    """The FLOPs per token the model executes (the architecture's ``model.flops_per_token(seq_len)``
+    as the converters change it: LoRA's frozen base), or None."""
 
 
 def runtime_options(model_cfg: ModelConfig, runtime: Runtime, *, grad_accum: int) -> RuntimeOptions:
@@ -103,7 +104,8 @@ def build_model(
         built = pipeline.model
     else:
         built = materialize(parallelize(model))
-    return BuiltModel(built, pipeline, hooks, getattr(model, "flops_per_token", None))
+    flops_per_token = converters.flops_per_token(getattr(model, "flops_per_token", None))  # e.g. LoRA's
+    return BuiltModel(built, pipeline, hooks, flops_per_token)
 
 
 def initialize(model: nn.Module, runtime: Runtime, cfg: Config, converters: ModelConverters) -> nn.Module:

@@ -26,9 +26,9 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from portatrain.metrics import (
+    above_peak,
     checkpoint_metrics,
     memory_metrics,
-    peak_covering,
     progress_postfix,
     throughput_metrics,
 )
@@ -62,6 +62,7 @@ class StepLog:
         self.first_step = trainer.step
         self.last: dict[str, Any] = {}
         self.evals: dict[str, float] = {}
+        self.noted_above_peak = False
         self._redirect = ExitStack()
         if shown and interactive:  # log records printed above the live bar
             self._redirect.enter_context(logging_redirect_tqdm())
@@ -93,6 +94,10 @@ class StepLog:
             start,
         )
         logger.info("run directory %s (config.yaml, metrics.jsonl, checkpoints/)", t.run_dir)
+        if t.peak_flops:  # where MFU's denominator comes from, said once (on CPU: an estimate)
+            logger.info(
+                "MFU over a peak of %.4g TFLOP/s per device: %s", t.peak_flops / 1e12, t.peak_flops_source
+            )
 
     def evaluated(self, evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:
         """Run ``evaluate`` (its compilation watched, the runtime audit paused), log its results to the
@@ -157,13 +162,16 @@ class StepLog:
         bad_steps, bad_losses = totals.extra
         t.nonfinite.check(bad_steps, bad_losses, metrics, t.step)
         t.tokens_seen += totals.tokens
-        t.peak_flops, t.peak_flops_source = peak_covering(
+        note = above_peak(
             t.peak_flops,
             t.peak_flops_source,
             flops=totals.flops,
             elapsed_s=totals.elapsed_s,
             num_devices=t.dist.world_size,
         )
+        if note and not self.noted_above_peak and t.dist.is_main:
+            logger.info(note)  # once a run: every window after it reads against the same peak
+            self.noted_above_peak = True
         last = {
             "step": t.step,
             # Each rank's loss is its token sum over the GLOBAL token count: sum, not mean.
