@@ -53,7 +53,7 @@ from portatrain.train.logwindow import LoggingWindow
 from portatrain.train.nonfinite import NONFINITE_MODES, NonFiniteError
 from portatrain.train.progress import StepLog
 from portatrain.train.rundir import RunDir, open_run_dir
-from portatrain.train.runtime import build_runtime
+from portatrain.train.runtime import build_runtime, seed_run
 from portatrain.train.services import (
     build_checkpointer,
     build_metrics,
@@ -95,9 +95,7 @@ class Trainer:
         # ranks) and the checkpoint to resume in it.
         self._run_dir = open_run_dir(cfg, self.dist)
         self.run_dir, self.resume_from = self._run_dir.path, self._run_dir.resume_from
-        self.accelerator.manual_seed(cfg.trainer.seed)
-        if cfg.trainer.deterministic:
-            torch.use_deterministic_algorithms(True)
+        seed_run(cfg, rt)  # every RNG; trainer.deterministic: deterministic kernels, or why not
         self.setup_data()
         self._setup_model()
         self._setup_optimization()

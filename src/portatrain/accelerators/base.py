@@ -60,6 +60,10 @@ class Accelerator:
     pinned_staging: bool = False
     """Whether host copies of device state (asynchronous checkpoints' staging buffers) should be
     pinned, so the device-to-host copy runs asynchronously and the loop waits for one sync."""
+    deterministic_kernels: bool = False
+    """Whether ``torch.use_deterministic_algorithms(True)`` makes this device's eager kernels repeat
+    bitwise (``trainer.deterministic``). False unless the adapter knows: a vendor runtime that
+    compiles every op (XLA-style) decides for itself, and says nothing either way."""
 
     def __init__(self, index: int = 0) -> None:
         self.index = index
@@ -254,6 +258,19 @@ class Accelerator:
         except RuntimeError as exc:
             logger.debug("torch.%s.%s is closed: %s", self.device_type, function, exc)
             return False
+
+    def make_deterministic(self, compile_backend: str | None) -> str | None:
+        """Ask for deterministic kernels (``trainer.deterministic=true``); returns None when two runs
+        of one config on this device give bitwise-identical losses, else one line saying why not.
+        ``compile_backend``: the backend of a compiled run, None for an eager one."""
+        torch.use_deterministic_algorithms(True)
+        if not self.deterministic_kernels:
+            return f"{self.name}: its adapter knows of no bitwise-determinism guarantee for this device's kernels"
+        if compile_backend not in (None, "eager", "aot_eager"):  # those two run the eager kernels
+            # The deterministic-algorithms flag covers eager kernels; the kernels a compiler
+            # generates (and, on GPUs, picks by benchmarking them) are the compiler's choice.
+            return f"compile backend {compile_backend!r} generates its own kernels, which the flag does not cover"
+        return None
 
     def describe(self) -> str:
         return f"{self.name}:{self.index}"

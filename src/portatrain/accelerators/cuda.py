@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -39,6 +40,16 @@ class CUDAAccelerator(Accelerator):
     compile_backend = "inductor"
     fused_adamw = True
     pinned_staging = True
+    deterministic_kernels = True
+
+    def make_deterministic(self, compile_backend: str | None) -> str | None:
+        """cuBLAS repeats its results only with a fixed workspace (``CUBLAS_WORKSPACE_CONFIG``, read
+        when a cuBLAS handle is created: before the first matmul), and cuDNN only without benchmarking
+        its algorithms (https://pytorch.org/docs/stable/notes/randomness.html,
+        https://docs.nvidia.com/cuda/cublas/#results-reproducibility). A value set by the user is kept."""
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+        return super().make_deterministic(compile_backend)
 
     def unavailable_reason(self) -> str | None:
         if not torch.cuda.is_available():

@@ -250,7 +250,8 @@ class TrainerConfig:
     log_every: int = 10
     seed: int = 1234
     deterministic: bool = False
-    """Ask torch for deterministic algorithms (slower)."""
+    """Deterministic kernels (slower): two runs of one config on one device give bitwise-identical
+    losses; where the device or the compiler cannot promise it, one warning line says so."""
     dtype: str = "auto"
     """Compute precision: ``auto`` (the accelerator's default: bf16 on accelerators, fp32 on CPU),
     ``float32`` or ``bfloat16``."""

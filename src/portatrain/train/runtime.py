@@ -3,15 +3,20 @@
 Built once per process by :func:`build_runtime`, the same way for every command that runs a model
 (train, DPO, bench, parity, eval): the layout is checked against the world size before the process
 group starts (a ``ConfigError`` names the fix), then the mesh is built on the adapter's device type.
+:func:`seed_run` then seeds every random stream the run draws from and, with ``trainer.deterministic``,
+asks the adapter for deterministic kernels.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
+import random
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from portatrain.accelerators import Accelerator, resolve_accelerator
@@ -22,6 +27,8 @@ from portatrain.dtypes import dtype_from_name
 from portatrain.fault_tolerance import data_slice
 from portatrain.parallel import ParallelDims, dp_all_reduce
 from portatrain.parallel.context import ContextParallel
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -89,6 +96,23 @@ def build_runtime(cfg: Config, accelerator: Accelerator | None = None) -> Runtim
         dp_world_size=dp_world_size,
         context_parallel=ContextParallel.from_mesh(dims.cp_mesh) if dims.cp_enabled else None,
     )
+
+
+def seed_run(cfg: Config, runtime: Runtime) -> None:
+    """Seed Python's, NumPy's and torch's host and device generators with ``trainer.seed`` (the data
+    order draws from streams of its own, derived from the same seed: ``portatrain.data``). With
+    ``trainer.deterministic=true``, ask the adapter for deterministic kernels: two runs of one config on
+    one device then give bitwise-identical losses, or one warning line says why this run cannot."""
+    seed, accelerator = int(cfg.trainer.seed), runtime.accelerator
+    random.seed(seed)  # research hooks (augmentation, sampling) draw from these too
+    np.random.seed(seed % 2**32)
+    accelerator.manual_seed(seed)
+    if not cfg.trainer.deterministic:
+        return
+    backend = (cfg.compile.backend or accelerator.compile_backend) if cfg.compile.enabled else None
+    caveat = accelerator.make_deterministic(backend)
+    if caveat is not None and runtime.dist.is_main:
+        logger.warning("trainer.deterministic=true cannot promise bitwise-identical losses: %s", caveat)
 
 
 def describe(runtime: Runtime) -> dict[str, Any]:

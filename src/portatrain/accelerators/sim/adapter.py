@@ -23,6 +23,7 @@ class SimAccelerator(Accelerator):
     compile_backend = "aot_eager"
     static_shapes = True  # like the TPU and Neuron compilers: one graph per shape
     fused_adamw = False
+    deterministic_kernels = True  # the CPU's kernels on device memory
 
     @property
     def device_type(self) -> str:  # type: ignore[override]
