@@ -76,6 +76,7 @@ class ParallelDims:
     _dp_mesh: DeviceMesh | None = field(default=None, repr=False)
     _dp_shard_cp_mesh: DeviceMesh | None = field(default=None, repr=False)
     _dp_cp_mesh: DeviceMesh | None = field(default=None, repr=False)
+    _efsdp_ep_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         problems = layout_problems(
@@ -180,6 +181,11 @@ class ParallelDims:
                 (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp),
                 mesh_dim_names=EXPERT_MESH_DIM_NAMES,
             )
+            # An expert weight is sharded over (efsdp, ep), so a reduction over it (the gradient
+            # norm) is Partial on both: without a flattened mesh for the pair DTensor runs two
+            # all_reduces in a row and warns on every rank that they may round differently there
+            # (torch/distributed/tensor/_redistribute.py, _optimize_transform_infos). With it: one.
+            self._efsdp_ep_mesh = self.expert_mesh["efsdp", "ep"]._flatten("efsdp_ep")
         return mesh
 
     def _require_mesh(self) -> DeviceMesh:
