@@ -40,7 +40,7 @@ def _emulated_ranks(q, k, v, cp, document_ids):
 
     def local(rank):
         ks, vs = shard_sequence(k, cp, rank, dim=2), shard_sequence(v, cp, rank, dim=2)
-        return torch.cat([ks, vs], dim=1).permute(2, 0, 1, 3)
+        return torch.cat([ks, vs], dim=-1).permute(2, 0, 1, 3)
 
     outs = []
     for rank in range(cp):
@@ -71,7 +71,8 @@ def test_sharded_attention_matches_full_attention_and_its_gradients(cp, document
     batch, heads, kv_heads, seq, dim = 2, 4, 2, 16 * cp, 8  # grouped-query: 2 query heads per kv head
     q = torch.randn(batch, heads, seq, dim, requires_grad=True)
     k = torch.randn(batch, kv_heads, seq, dim, requires_grad=True)
-    v = torch.randn(batch, kv_heads, seq, dim, requires_grad=True)
+    # values narrower than keys, as latent attention's (DeepSeek-V3)
+    v = torch.randn(batch, kv_heads, seq, dim - 2, requires_grad=True)
     document_ids = None
     if documents:  # documents cross the shard boundaries; the padded tail is a document of its own
         document_ids = torch.tensor(

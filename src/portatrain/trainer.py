@@ -247,16 +247,13 @@ class Trainer:
         if self.pipeline is not None:
             return self.pipeline.forward_loss(batch)
         inputs = {"positions": batch.get("positions"), "attn_mask": batch.get("attn_mask")}
-        if self._loss_chunk_size is not None:
-            with self._autocast():
-                return self.model(
-                    batch["input_ids"],
-                    **inputs,
-                    output_fn=chunked_loss_fn(batch["labels"], self._loss_chunk_size),
-                )
-        with self._autocast():
-            logits = self.model(batch["input_ids"], **inputs)
-        return self.compute_loss(logits, batch)
+        chunked = self._loss_chunk_size is not None
+        if chunked:
+            inputs["output_fn"] = chunked_loss_fn(batch["labels"], self._loss_chunk_size)
+        # The family's own loss beside the model's output (e.g. multi-token prediction), a sum too.
+        with self._autocast(), self.model_hooks.extra_loss(batch) as extra:
+            out = self.model(batch["input_ids"], **inputs)
+        return (out if chunked else self.compute_loss(out, batch)) + extra.sum
 
     def forward_backward(self, batch: dict[str, torch.Tensor], num_tokens: torch.Tensor) -> torch.Tensor:
         if self.pipeline is not None:  # one schedule step: parallel.pp_microbatches forwards and backwards
@@ -486,7 +483,8 @@ class Trainer:
         return self.runtime.autocast()
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return self.runtime.to_device(batch)
+        # The family's own inputs first: context parallel then shards them with the rest.
+        return self.runtime.to_device(self.model_hooks.prepare_batch(batch))
 
     def _all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel ranks (tp ranks of one dp group hold the same value)."""

@@ -20,9 +20,11 @@ Families built from the shared parts (``portatrain.models.common``) get their sp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -86,15 +88,41 @@ class ModelRuntime(Protocol):
         """The family's figures since the last call, at logging steps (a host read is allowed here)."""
         ...
 
+    def prepare_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A loader's batch with the family's own per-position inputs added, on the host before it
+        moves: context parallel then cuts every ``[B, S, ...]`` entry along ``S`` with the token ids,
+        so an input that reads ahead in the row (a later token) is whole on every shard."""
+        ...
+
+    def extra_loss(self, batch: dict[str, torch.Tensor]) -> AbstractContextManager[ExtraLoss]:
+        """Wraps one forward of the model on ``batch``; on exit, the :class:`ExtraLoss` it yields holds
+        the loss *sum* the family adds to the language-model loss (0 when none, e.g. in evaluation).
+        The trainer adds it to the micro-batch's loss sum, which it divides by the step's target count."""
+        ...
+
+
+@dataclass
+class ExtraLoss:
+    """What a forward adds to the training loss (:meth:`ModelRuntime.extra_loss`)."""
+
+    sum: torch.Tensor | float = 0.0
+
 
 class NoRuntime:
-    """The hooks of a family with nothing to do around the step."""
+    """The hooks of a family with nothing to do around the step; the defaults other runtimes inherit."""
 
     def post_optimizer_step(self, ok: torch.Tensor) -> None:
         pass
 
     def metrics(self) -> dict[str, float]:
         return {}
+
+    def prepare_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return batch
+
+    @contextlib.contextmanager
+    def extra_loss(self, batch: dict[str, torch.Tensor]) -> Iterator[ExtraLoss]:
+        yield ExtraLoss()
 
 
 def no_runtime(model: nn.Module, options: RuntimeOptions) -> ModelRuntime:
@@ -152,7 +180,8 @@ class ModelSpec:
     runtime: Callable[[nn.Module, RuntimeOptions], ModelRuntime] = no_runtime
     """``runtime(model, options)``: configure the built (meta) model for the run and return its hooks
     around the step (:class:`ModelRuntime`): the shared decoder's are the mixture of experts' (dispatch,
-    auxiliary loss, router bias updates, routing statistics), no-ops for a dense model."""
+    auxiliary loss, router bias updates, routing statistics) and multi-token prediction's (the read-ahead
+    targets, the extra loss, its metric), no-ops for a dense model without it."""
 
     def args(self, flavor: str, **overrides: Any) -> Any:
         """The flavour's arguments with ``overrides`` (config keys, None = keep) applied.

@@ -130,18 +130,21 @@ class ShardedAttention:
         return torch.cat(outs, dim=2)
 
     def _gather_row(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every rank's k and v, in row order: two ``[B, H_kv, S, D]`` views of one gathered tensor."""
-        batch, n_kv, _, head_dim = k.shape
+        """Every rank's k and v, in row order: ``[B, H_kv, S, D_k]`` and ``[B, H_kv, S, D_v]`` views of one
+        gathered tensor (the widths may differ: latent attention's values are narrower than its keys)."""
+        batch, n_kv, _, k_dim = k.shape
         c, cp = self.chunk, self.cp
-        # Sequence-major so the gather concatenates positions: [2c, B, 2*H_kv, D], one collective for k and v.
-        local = torch.cat([k, v], dim=1).permute(2, 0, 1, 3).contiguous()
-        gathered = self.gather(local).view(2 * cp, c, batch, 2 * n_kv, head_dim)
+        # Sequence-major so the gather concatenates positions: [2c, B, H_kv, D_k + D_v], one collective
+        # for k and v.
+        local = torch.cat([k, v], dim=-1).permute(2, 0, 1, 3).contiguous()
+        width = local.shape[-1]
+        gathered = self.gather(local).view(2 * cp, c, batch, n_kv, width)
         if self._order is None:  # gathered chunk i is row chunk chunk_order(cp)[i]; invert that
             order = chunk_order(cp)
             self._order = torch.tensor([order.index(j) for j in range(2 * cp)], device=k.device)
-        row = gathered.index_select(0, self._order).view(2 * cp * c, batch, 2 * n_kv, head_dim)
-        row = row.permute(1, 2, 0, 3)  # [B, 2*H_kv, S, D]
-        return row[:, :n_kv], row[:, n_kv:]
+        row = gathered.index_select(0, self._order).view(2 * cp * c, batch, n_kv, width)
+        row = row.permute(1, 2, 0, 3)  # [B, H_kv, S, D_k + D_v]
+        return row[..., :k_dim], row[..., k_dim:]
 
     def _document_mask(self, i: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Additive mask ``[B, 1, c, (j+1)c]`` of local chunk ``i`` (row chunk ``j``) over its key prefix:

@@ -3,6 +3,7 @@ into its :class:`~portatrain.models.spec.ModelSpec`.
 
 * ``rope.py`` -- RoPE tables (plain, Llama 3.1 scaling, YaRN);
 * ``mla.py`` -- multi-head latent attention (DeepSeek-V2/V3);
+* ``mtp.py`` -- multi-token prediction's depths, read-ahead targets and loss hooks (DeepSeek-V3);
 * ``layers.py`` -- RMSNorm, SwiGLU feed-forward, grouped-query attention with a q/k-norm kind, and
   the kernel slots (``rmsnorm_fn``, ``swiglu_fn``, ``rope_fn``);
 * ``decoder.py`` -- the arguments mixin (shape problems, parameter count, FLOPs), the block with its
@@ -37,10 +38,13 @@ def parallelize(model: nn.Module, parallel_dims: Any, **options: Any) -> nn.Modu
 
 
 def runtime(model: nn.Module, options: RuntimeOptions) -> ModelRuntime:
-    """The shared decoder's hooks around the step: its mixture-of-experts layers' (none: no-ops)."""
+    """The shared decoder's hooks around the step: its mixture-of-experts layers' (none: no-ops), and
+    multi-token prediction's when the model has depths of it (``mtp.py``)."""
     from portatrain.models.common.moe import MoERuntime
+    from portatrain.models.common.mtp import MTPRuntime
 
-    return MoERuntime(model, options)
+    hooks = MoERuntime(model, options)
+    return MTPRuntime(model, hooks) if getattr(model, "mtp", None) is not None else hooks
 
 
 def layout_problems(parallel: Any, args: Any) -> list[str]:

@@ -41,6 +41,7 @@ from portatrain.models.common.decoder_args import NormPlacement as NormPlacement
 from portatrain.models.common.kv_cache import KVCache
 from portatrain.models.common.layers import Attention, FeedForward, RMSNorm, trunc_normal_
 from portatrain.models.common.masks import sliding_window_mask
+from portatrain.models.common.mtp import MultiTokenPrediction
 from portatrain.models.common.rope import rope_tables
 
 
@@ -156,6 +157,8 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict({str(i): self.build_block(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps, unit_offset=args.norm_unit_offset)
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Multi-token prediction's depths (DeepSeek-V3), trained beside the main model when targets are set.
+        self.mtp = MultiTokenPrediction(args, self.build_block) if args.mtp_layers > 0 else None
         # Derived from args, so kept out of checkpoints (non-persistent) and rebuilt by init_weights
         # after to_empty(). fp32 even in bf16 runs; the rope op casts at use.
         cos, sin = self._rope_tables()
@@ -209,6 +212,9 @@ class Decoder(nn.Module):
         if self.lm_head is not None:
             torch.manual_seed(seed + 1 + self.args.n_layers)
             trunc_normal_(self.lm_head.weight, std)
+        if getattr(self, "mtp", None) is not None:  # (a pipeline stage has none)
+            torch.manual_seed(seed + 2 + self.args.n_layers)
+            self.mtp.init_weights(std, out_std)
         torch.manual_seed(seed)
 
     def forward(
@@ -278,11 +284,15 @@ class Decoder(nn.Module):
         if self.norm is None:  # a pipeline stage before the last
             return h
         h = self.norm(h)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if output_fn is not None:
-            return output_fn(h, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
-        if self.lm_head is None:
-            return F.linear(h, self.embed_tokens.weight)
-        return self.lm_head(h)
+            out = output_fn(h, head)
+        else:
+            out = F.linear(h, head) if self.lm_head is None else self.lm_head(h)
+        if getattr(self, "mtp", None) is not None and self.mtp.targets is not None:
+            # After the main head (FSDP2 has gathered it); the runtime hook collects the loss sum.
+            self.mtp.loss_sum = self.mtp(h, self.embed_tokens, head, cos, sin, attn_mask)
+        return out
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Count the parameters actually held (a tied matrix once); see :meth:`DecoderArgs.num_params`."""

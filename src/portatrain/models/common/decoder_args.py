@@ -53,6 +53,11 @@ class DecoderArgs:
     rope_local_theta: ClassVar[float | None] = None
     """RoPE base of the sliding layers, when it differs from ``rope_theta`` (Gemma 3: 10,000 locally,
     1,000,000 globally); those layers' RoPE is never scaled. A family declares it as a field."""
+    mtp_layers: ClassVar[int] = 0
+    """Multi-token-prediction depths trained after the main model (``portatrain.models.common.mtp``);
+    0: none. A family that supports it declares it, and ``mtp_loss_weight``, as fields."""
+    mtp_loss_weight: ClassVar[float] = 0.0
+    """The multi-token-prediction loss's weight (the paper's lambda), shared by the depths."""
     positive_fields: ClassVar[tuple[str, ...]] = (
         "dim",
         "n_layers",
@@ -191,8 +196,12 @@ class DecoderArgs:
         """
         embedding = self.vocab_size * self.dim
         output = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        blocks = sum(self.attention_params + self.mlp_params(i, active=active) for i in range(self.n_layers))
-        total = embedding + blocks + self.dim + output  # + final norm
+        blocks = sum(
+            self.attention_params + self.mlp_params(i, active=active) for i in range(self.n_layers + self.mtp_layers)
+        )
+        # A multi-token-prediction depth adds its three norms and eh_proj to its block (embedding and head shared).
+        mtp = self.mtp_layers * (3 * self.dim + 2 * self.dim * self.dim)
+        total = embedding + blocks + mtp + self.dim + output  # + final norm
         return total - embedding if exclude_embedding else total
 
     def flops_per_token(self, seq_len: int) -> int:

@@ -80,6 +80,7 @@ from portatrain.models.common.grouped_mm import grouped_outer as grouped_outer
 from portatrain.models.common.layers import FeedForward, trunc_normal_
 from portatrain.models.common.routers import BiasedRouter as BiasedRouter
 from portatrain.models.common.routers import Router as Router
+from portatrain.models.spec import NoRuntime
 
 if TYPE_CHECKING:
     from portatrain.models.spec import RuntimeOptions
@@ -444,7 +445,7 @@ def configure_moe(
     return len(layers)
 
 
-class MoERuntime:
+class MoERuntime(NoRuntime):
     """The mixture of experts' hooks around the step (:class:`~portatrain.models.spec.ModelRuntime`):
     every :class:`MoE` layer configured for the run, the balanced routers' bias moved after each
     optimizer step (DeepSeek-V3), the routing statistics at logging steps. No-ops for a dense model."""

@@ -161,6 +161,12 @@ def layout_problems(parallel: Any, args: Any) -> list[str]:
             f"parallel.tp={parallel.tp}: tensor parallel does not shard a mixture of experts' experts; "
             "set parallel.tp=1 and shard with FSDP2 instead (parallel.dp_shard)"
         )
+    if getattr(parallel, "pp", 1) > 1 and args.mtp_layers:
+        problems.append(
+            f"parallel.pp={parallel.pp}: multi-token prediction (model.mtp_layers={args.mtp_layers}) is not split "
+            "over pipeline stages yet (its depths read the first stage's embedding on the last stage); set "
+            "model.mtp_layers=0, or parallel.pp=1 and shard with FSDP2 (parallel.dp_shard)"
+        )
     sliding = getattr(args, "sliding_window", None) is not None
     if getattr(parallel, "cp", 1) > 1 and (sliding or args.attention_sinks):
         what = "sliding-window layers" if sliding else "attention sinks"

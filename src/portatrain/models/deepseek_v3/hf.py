@@ -3,8 +3,16 @@ and ``config.json``.
 
 Configs are dicts in the layout of deepseek-ai/DeepSeek-V3's ``config.json`` (``rope_theta`` and a
 ``rope_scaling`` of type ``yarn`` at top level), which transformers 5 reads as-is. The routing bias
-(``mlp.gate.e_score_correction_bias``) is a tensor of the checkpoint both ways. The checkpoint's
-multi-token-prediction layer (``model.layers.61``) is not loaded, as in transformers.
+(``mlp.gate.e_score_correction_bias``) is a tensor of the checkpoint both ways.
+
+Multi-token prediction: the published checkpoint stores its one depth as the layer after the main
+model's (``model.layers.61``, ``num_nextn_predict_layers: 1``): the block's own keys, ``enorm``,
+``hnorm``, ``eh_proj``, ``shared_head.norm``, and copies of the embedding and the output head
+(``embed_tokens``, ``shared_head.head``), which vLLM and SGLang read. Depth ``k`` here is
+``mtp.layers.<k>`` (``.block.*`` the block, ``.norm`` the depth's final norm); both directions rename
+between the two, and the copies are written out and dropped on the way in (the model shares the
+main embedding and head). A model without depths never asks for layer 61, so it loads the published
+checkpoint as transformers does.
 """
 
 from __future__ import annotations
@@ -19,15 +27,55 @@ from portatrain.models.deepseek_v3.model import DeepseekV3Args
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 
 
+_MTP_OWN = ("enorm", "hnorm", "eh_proj")  # a depth's keys outside its block, under both names
+_MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")  # the shared weights, repeated per depth
+
+
 def to_hf(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """Our keys -> the Hub's, each stacked expert tensor split into one tensor per expert."""
-    return common.experts_to_hf(common.to_hf(state_dict))
+    """Our keys -> the Hub's, each stacked expert tensor split into one tensor per expert; multi-token
+    prediction's depths as the layers after the main model's, with their copies of the shared weights."""
+    ours = dict(state_dict)
+    depths = {key.removeprefix("mtp.layers."): ours.pop(key) for key in list(ours) if key.startswith("mtp.")}
+    n_layers = 1 + max((int(key.split(".")[1]) for key in ours if key.startswith("layers.")), default=-1)
+    embed = ours.get("embed_tokens.weight")
+    head = ours.get("lm_head.weight", embed)
+    for key, value in depths.items():
+        k, rest = key.split(".", 1)
+        layer = f"layers.{n_layers + int(k)}"
+        if rest.startswith("block."):
+            ours[f"{layer}.{rest.removeprefix('block.')}"] = value
+        elif rest.startswith("norm."):
+            ours[f"{layer}.shared_head.{rest}"] = value
+        else:
+            ours[f"{layer}.{rest}"] = value
+        if rest == "enorm.weight" and embed is not None:
+            ours.update({f"{layer}.{name}": w for name, w in zip(_MTP_COPIES, (embed, head))})
+    return common.experts_to_hf(common.to_hf(ours))
 
 
 def from_hf(state_dict: Mapping[str, Any], *, tie_embeddings: bool | None = None) -> dict[str, Any]:
-    """The Hub's per-expert keys (or transformers 5's fused ones) -> ours, experts stacked in order."""
+    """The Hub's per-expert keys (or transformers 5's fused ones) -> ours, experts stacked in order;
+    layers holding an ``eh_proj`` (and those after them) are multi-token prediction's depths."""
+    theirs = dict(state_dict)
+    depth_layers = [
+        int(k.split(".")[2]) for k in theirs if k.startswith("model.layers.") and ".eh_proj." in k
+    ]
+    if depth_layers:
+        first = min(depth_layers)
+        for key in [k for k in theirs if k.startswith("model.layers.") and int(k.split(".")[2]) >= first]:
+            value = theirs.pop(key)
+            _, _, index, rest = key.split(".", 3)
+            if rest in _MTP_COPIES:
+                continue
+            depth = f"model.mtp.layers.{int(index) - first}"
+            if rest.startswith("shared_head."):
+                theirs[f"{depth}.{rest.removeprefix('shared_head.')}"] = value
+            elif rest.split(".")[0] in _MTP_OWN:
+                theirs[f"{depth}.{rest}"] = value
+            else:
+                theirs[f"{depth}.block.{rest}"] = value
     return common.from_hf(
-        common.experts_from_hf(state_dict), tie_embeddings=tie_embeddings, architecture=ARCHITECTURE
+        common.experts_from_hf(theirs), tie_embeddings=tie_embeddings, architecture=ARCHITECTURE
     )
 
 
@@ -67,7 +115,7 @@ def hf_config(args: DeepseekV3Args, *, torch_dtype: str = "bfloat16") -> dict[st
         "norm_topk_prob": args.norm_topk_prob,
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
-        "num_nextn_predict_layers": 0,  # no multi-token-prediction module
+        "num_nextn_predict_layers": args.mtp_layers,
     }
 
 
@@ -123,6 +171,8 @@ def args_from_hf_config(config: Mapping[str, Any]) -> DeepseekV3Args:
         topk_group=config.get("topk_group") or 1,
         routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
         norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+        # num_nextn_predict_layers is not read: the depths are opt-in (model.mtp_layers), as the
+        # flavours are the main model; init_from reads layer 61 when the model has a depth.
     )
 
 

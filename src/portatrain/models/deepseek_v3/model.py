@@ -15,8 +15,12 @@ each a shared part:
    step, ``topk_group`` of ``n_group`` groups open per token, weights scaled by
    ``routed_scaling_factor``.
 
-The published checkpoint's multi-token-prediction module (layer 61, used for speculative decoding)
-is not part of the model, as in transformers. Names are ``DeepseekV3ForCausalLM``'s (``hf.py``).
+4. **Multi-token prediction** (``portatrain.models.common.mtp``, the paper's section 2.2), off unless
+   ``mtp_layers > 0``: that many depths after the main model, each a mixture-of-experts block, their
+   loss weighted by ``mtp_loss_weight``. The published checkpoint's one depth is ``model.layers.61``
+   (``hf.py`` reads and writes it when ``mtp_layers=1``); transformers' model has none.
+
+Names are ``DeepseekV3ForCausalLM``'s (``hf.py``).
 """
 
 from __future__ import annotations
@@ -89,6 +93,11 @@ class DeepseekV3Args(DecoderArgs):
     for most of pre-training); 0 freezes the bias."""
     aux_loss_coef: float = 0.0
     """Weight of the load-balancing loss; 0: balanced by the bias alone (auxiliary-loss-free)."""
+    mtp_layers: int = 0
+    """Multi-token-prediction depths (the paper's D; the published model has 1, HF
+    ``num_nextn_predict_layers``); 0 trains without them."""
+    mtp_loss_weight: float = 0.3
+    """Weight of the multi-token-prediction loss (the paper's lambda: 0.3 for the first 10T tokens, then 0.1)."""
 
     @property
     def head_dim(self) -> int:
@@ -185,6 +194,11 @@ class DeepseekV3Args(DecoderArgs):
                 )
         if self.routed_scaling_factor <= 0:
             problems.append(f"model.routed_scaling_factor={self.routed_scaling_factor} must be positive")
+        if self.mtp_layers < 0 or self.mtp_loss_weight < 0:
+            problems.append(
+                f"model.mtp_layers={self.mtp_layers}, model.mtp_loss_weight={self.mtp_loss_weight}: both must be "
+                ">= 0 (mtp_layers=0 turns multi-token prediction off)"
+            )
         if self.aux_loss_coef < 0:
             problems.append(f"model.aux_loss_coef={self.aux_loss_coef} must be >= 0 (0 turns it off)")
         if self.rope_scaling is not None:

@@ -1,0 +1,128 @@
+"""Multi-token prediction (``portatrain.models.common.mtp``; DeepSeek-V3, arXiv:2412.19437 section 2.2):
+the loss against one written out depth by depth, the read-ahead targets of packed rows, the Hugging
+Face names of the published layer, and FSDP2 and context parallel against one process."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from portatrain.models.deepseek_v3 import DEEPSEEK_V3
+from portatrain.models.deepseek_v3 import hf as ds3_hf
+from portatrain.models.spec import RuntimeOptions
+
+TINY_ARGS = dict(
+    dim=32,
+    n_layers=2,
+    vocab_size=40,
+    max_seq_len=32,
+    n_heads=2,
+    n_kv_heads=2,
+    mtp_loss_weight=0.3,
+)
+
+
+def _model(depth: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    args = dataclasses.replace(
+        DEEPSEEK_V3.flavors["debug"], mtp_layers=depth, **TINY_ARGS
+    )
+    model = DEEPSEEK_V3.model_cls(args)
+    model.init_weights()
+    return model
+
+
+def _reference_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The paper's equations on unpacked rows of ``S + 1`` tokens (the model reads the first S), depth k
+    on the first S-k positions (causal, so cutting the row's tail changes nothing before it):
+    h_k = block(eh_proj([enorm(emb(t[i+k])); hnorm(h_{k-1})])), predicting t[i+k+1]."""
+    ids, seq_len = tokens[:, :-1], tokens.shape[1] - 1
+    captured = {}
+    model(
+        ids, output_fn=lambda h, w: captured.setdefault("h", h)
+    )  # the main model's normalized output
+    h = captured["h"]
+    head = model.lm_head.weight
+    total = 0.0
+    for k, layer in enumerate(model.mtp.layers.values(), start=1):
+        n = seq_len - k
+        x = layer.eh_proj(
+            torch.cat(
+                [layer.enorm(model.embed_tokens(ids[:, k:])), layer.hnorm(h[:, :n])], -1
+            )
+        )
+        h = layer.block(x, model.rope_cos[:n], model.rope_sin[:n])
+        logits = F.linear(layer.norm(h), head)
+        total = total + F.cross_entropy(
+            logits.flatten(0, 1), tokens[:, k + 1 :].flatten(), reduction="sum"
+        )
+    return total * model.args.mtp_loss_weight / len(model.mtp.layers)
+
+
+def test_mtp_loss_equals_the_papers_equations_written_out() -> None:
+    model = _model(depth=2)
+    hooks = DEEPSEEK_V3.runtime(model, RuntimeOptions("dropless", 1.25, 1.0))
+    ids = torch.randint(0, 40, (2, 13))
+    batch = hooks.prepare_batch({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
+    with hooks.extra_loss(batch) as extra:
+        logits = model(batch["input_ids"])
+    want = _reference_loss(model, ids)
+    assert extra.sum.item() == pytest.approx(want.item(), rel=1e-5)
+    assert extra.sum.item() > 0
+    # The main output is the model's without the depths; evaluation computes no extra loss.
+    torch.testing.assert_close(logits, model(batch["input_ids"]))
+    model.eval()
+    with hooks.extra_loss(batch) as extra:
+        model(batch["input_ids"])
+    assert extra.sum == 0.0
+    # Its own metric: the mean over depths of each depth's mean cross-entropy.
+    metrics = hooks.metrics()
+    assert 0 < metrics["mtp_loss"] < 2 * torch.log(torch.tensor(40.0)).item()
+
+
+def test_read_ahead_targets_stop_at_document_boundaries_and_the_row_end() -> None:
+    from portatrain.models.common.mtp import mtp_targets
+
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    batch = {
+        "input_ids": ids,
+        "labels": torch.tensor([[2, 3, -100, 5, 6, 7]]),
+        "document_ids": torch.tensor([[0, 0, 0, 1, 1, 1]]),
+    }
+    out = mtp_targets(batch, depth=2)
+    assert out["mtp_tokens"][0, :, 0].tolist() == [2, 3, 4, 5, 6, 0]
+    assert out["mtp_tokens"][0, :, 1].tolist() == [3, 4, 5, 6, 0, 0]
+    # depth 1 at i predicts labels[i+1] within i's document; depth 2 labels[i+2]
+    assert out["mtp_labels"][0, :, 0].tolist() == [3, -100, -100, 6, 7, -100]
+    assert out["mtp_labels"][0, :, 1].tolist() == [-100, -100, -100, 7, -100, -100]
+
+
+def test_the_depth_is_the_published_layer_after_the_main_model() -> None:
+    model = _model(depth=1)
+    ours = model.state_dict()
+    theirs = ds3_hf.to_hf(ours)
+    layer = "model.layers.2"  # n_layers=2: the depth is the third layer, as 61 is V3's
+    for key in (
+        "enorm",
+        "hnorm",
+        "eh_proj",
+        "shared_head.norm",
+        "input_layernorm",
+        "self_attn.kv_a_proj_with_mqa",
+    ):
+        assert f"{layer}.{key}.weight" in theirs, key
+    assert f"{layer}.mlp.experts.0.gate_proj.weight" in theirs
+    torch.testing.assert_close(
+        theirs[f"{layer}.embed_tokens.weight"], ours["embed_tokens.weight"]
+    )
+    torch.testing.assert_close(
+        theirs[f"{layer}.shared_head.head.weight"], ours["lm_head.weight"]
+    )
+    back = ds3_hf.from_hf(theirs)
+    assert sorted(back) == sorted(ours)
+    for key, value in ours.items():
+        torch.testing.assert_close(back[key], value)
+    assert ds3_hf.hf_config(model.args)["num_nextn_predict_layers"] == 1
