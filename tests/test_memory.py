@@ -103,3 +103,59 @@ def test_plan_counts_in_closed_form_and_builds_nothing(monkeypatch: pytest.Monke
     text = describe_plan(compose_config(["recipe=llama8b", "dry_run=true", "device=cpu"]))
     assert f"parameters: {N_8B:,} (8.03B), counted from the architecture, nothing built" in text
     assert "estimated memory per device" in text
+
+
+def test_lora_base_has_neither_gradients_nor_optimizer_state():
+    """``finetune.method=lora``: the base is stored but frozen (no gradient, no AdamW moments, no head
+    gradient at the start of backward); the adapters are stored, trained and gathered with their block."""
+    adapters = 20_000_000
+    full, lora = estimate(), estimate(lora_params=adapters)
+    assert lora["params"] == 4 * (N_8B + adapters)
+    assert (lora["grads"], lora["optimizer"]) == (4 * adapters, 8 * adapters)
+    assert lora["activations"] == full["activations"]
+    assert lora["total"] == lora["params"] + lora["optimizer"] + lora["activations"]  # no head gradient
+    sharded = estimate(lora_params=adapters, shard_degree=8)
+    embedding = ARGS_8B.vocab_size * ARGS_8B.dim  # the largest unit: a block with its adapters is smaller
+    assert sharded["fsdp_buffers"] == 2 * 4 * embedding + 4 * (adapters // ARGS_8B.n_layers)  # 32 blocks
+    assert estimate(shard_degree=8)["fsdp_buffers"] == (2 * 4 + 4) * embedding
+
+
+def _shares(report: str) -> list[float]:
+    rows = [line.split() for line in report.splitlines()[1:] if line.endswith("%")]
+    return [float(row[-1].rstrip("%")) for row in rows if row[0] != "total"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"lora_params": 20_000_000}, {"shard_degree": 8, "seq_len": 8192}],
+    ids=["gradients-peak", "lora", "activations-peak"],
+)
+def test_report_shares_are_of_the_one_total(overrides):
+    """Each row's share is of what the peak (``total``) holds of it, so the shares add up to 100%
+    whichever phase peaks (the issue 39 plan's read 106%)."""
+    est = estimate(**overrides)
+    report = format_memory_report(est)
+    assert abs(sum(_shares(report)) - 100.0) < 0.3, report
+    (total,) = [line.split() for line in report.splitlines() if line.startswith("total")]
+    assert total == ["total", f"{est['total'] / 1024**3:.2f}", "100.0%"]
+    assert len(_shares(report)) == len(est) - 1
+
+
+def test_plan_counts_lora_adapters_as_the_run_adds_them():
+    """The dry run of a LoRA config counts ``rank * (in + out)`` per adapted layer of the debug model
+    (every projection of every block by default) and plans without the base's gradients and state."""
+    from portatrain.models import model_args
+    from portatrain.plan import describe_plan, estimate_for_config, lora_parameters
+    from tests.helpers import compose_config
+
+    full_cfg = compose_config(["device=cpu", "dry_run=true"])
+    lora_cfg = compose_config(["device=cpu", "dry_run=true", "finetune.method=lora", "finetune.lora.rank=4"])
+    args = model_args(lora_cfg.model)
+    h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.ffn_dim
+    per_block = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + f) + (f + h)
+    assert lora_parameters(lora_cfg, args) == 4 * per_block * args.n_layers
+    assert lora_parameters(full_cfg, args) is None
+    lora, full = estimate_for_config(lora_cfg), estimate_for_config(full_cfg)
+    assert lora["grads"] == 4 * 4 * per_block * args.n_layers < full["grads"]
+    assert lora["total"] < full["total"]
+    assert f"LoRA: {4 * per_block * args.n_layers:,} adapter parameters train" in describe_plan(lora_cfg)

@@ -1,9 +1,10 @@
 """``dry_run=true``: report a model's size and per-device memory, in closed form.
 
-Nothing is built or allocated: the parameter count is the architecture's own formula
+Nothing is allocated: the parameter count is the architecture's own formula
 (``args.num_params()``, held to the built model's for every family by ``tests/test_conformance.py``)
 and the memory figures come from the model family's estimate (``spec.estimate_memory``) for the
-configured precision and layout. So a plan takes milliseconds (Llama 3.1 70B: 520 ms -> 5 ms);
+configured precision and layout (with LoRA, the adapters counted on the model built on the meta
+device). So a plan takes milliseconds (Llama 3.1 70B: 520 ms -> 5 ms);
 building, even on the meta device, cost ~2.5 ms a block (``model.n_layers=100000``: minutes and
 gigabytes; sizes that large are refused by ``DecoderArgs.size_bounds`` now).
 """
@@ -18,6 +19,8 @@ from portatrain.accelerators import ACCELERATORS, resolve_accelerator
 from portatrain.config import Config
 from portatrain.data.loader import has_attention_mask
 from portatrain.dtypes import dtype_from_name
+from portatrain.finetune import uses_lora
+from portatrain.finetune.lora import apply_lora
 from portatrain.models import ARCH_OVERRIDES, get_spec, model_args, moe_dispatch
 from portatrain.models.memory import format_memory_report
 from portatrain.parallel.context import context_activation_bytes
@@ -79,6 +82,7 @@ def estimate_for_config(
         attn_mask=has_attention_mask(cfg.data) and par.cp == 1,
         capacity_factor=cfg.model.capacity_factor if dispatch == "capacity" else None,
         ep_degree=par.ep,
+        lora_params=lora_parameters(cfg, args),
     )
     if par.cp > 1:
         extra = context_activation_bytes(
@@ -98,6 +102,19 @@ def estimate_for_config(
     return estimate
 
 
+def lora_parameters(cfg: Config, args: Any) -> int | None:
+    """The adapters' parameters of a LoRA run (``finetune.method=lora``, or DPO's with
+    ``finetune.dpo.lora``) for a model of ``args``, None when every weight trains. Counted as the run
+    makes them: the model built on the meta device (nothing allocated, milliseconds a block) and
+    ``apply_lora`` adding the adapters, whose parameters are the only ones left trainable."""
+    if not uses_lora(cfg.finetune):
+        return None
+    with torch.device("meta"):
+        model = get_spec(cfg.model.name).model_cls(args)
+    apply_lora(model, cfg.finetune.lora)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def describe_plan(cfg: Config) -> str:
     """The dry-run report: parameters, precision, layout, FLOPs per token and the memory table."""
     args = model_args(cfg.model)
@@ -111,6 +128,12 @@ def describe_plan(cfg: Config) -> str:
     dims = ParallelDims.from_config(par, world_size=expected_world_size(par, cfg.launch, dry_run=True))
     mixed = training_dtype(cfg.trainer.dtype, cfg.device.type) == torch.bfloat16
     estimate = estimate_for_config(cfg)
+    lora = lora_parameters(cfg, args)
+    trains = (
+        f"; LoRA: {lora:,} adapter parameters train ({lora / n_params:.2%}), the base is frozen"
+        if lora
+        else ""
+    )
     custom = {k: getattr(cfg.model, k) for k in (*ARCH_OVERRIDES, "vocab_size")}
     custom = {k: v for k, v in custom.items() if v is not None}
     lines = [
@@ -120,7 +143,7 @@ def describe_plan(cfg: Config) -> str:
         + (f"; active per token: {active:,} ({active / 1e9:.2f}B)" if active != n_params else ""),
         f"architecture: dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads "
         f"({args.n_kv_heads} kv, head_dim {args.head_dim}), ffn {args.ffn_dim}, vocab {args.vocab_size}",
-        f"precision: {'bf16 compute, fp32 master weights/grads/optimizer' if mixed else 'fp32'}",
+        f"precision: {'bf16 compute, fp32 master weights/grads/optimizer' if mixed else 'fp32'}" + trains,
         f"layout: {dims.describe()}; "
         f"micro-batch {cfg.data.batch_size} x {cfg.data.seq_len} tokens "
         + (

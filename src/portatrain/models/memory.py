@@ -10,6 +10,8 @@ its own estimate and registers that in its ``ModelSpec.estimate_memory``.
 
 * ``params``, ``grads``, ``optimizer`` -- the persistent state, divided over ``shard_degree * tp_degree``
   ranks. FSDP2 pads each parameter's dim 0 to a multiple of the shard degree; that padding is ignored.
+  With LoRA (``lora_params``) the base is frozen: stored, but with neither gradients nor optimizer
+  state; the adapters are stored, and only they have gradients and AdamW moments.
 * ``fsdp_buffers`` -- transient unsharded copies FSDP keeps while it computes: the current unit's
   and the prefetched next unit's all-gathered parameters, plus one unit's unsharded gradients before
   the reduce-scatter. A unit is one transformer block, or the embedding / output projection if larger.
@@ -154,6 +156,7 @@ def estimate_memory(
     attn_mask: bool = True,
     capacity_factor: float | None = None,
     ep_degree: int = 1,
+    lora_params: int | None = None,
 ) -> dict[str, int]:
     """Estimated bytes per device for training ``args`` with one micro-batch in flight.
 
@@ -177,6 +180,8 @@ def estimate_memory(
         capacity_factor: a mixture of experts dispatched to fixed-capacity slots (``capacity``
             mode) with this factor; None: dropless (see :func:`mlp_saved`).
         ep_degree: expert-parallel degree (``parallel.ep``; divides ``shard_degree``).
+        lora_params: LoRA (``finetune.method=lora``): the adapters' parameters, the only ones that
+            train; the architecture's own are frozen. None: every parameter trains.
 
     Returns:
         ``params``, ``grads``, ``optimizer``, ``fsdp_buffers``, ``activations`` and ``total``, in bytes.
@@ -189,16 +194,13 @@ def estimate_memory(
     positive |= {"shard_degree": shard_degree, "tp_degree": tp_degree, "ep_degree": ep_degree}
     _check_inputs(args, positive, optim_state_bytes_per_param, activation_checkpointing)
 
-    n_params, ranks = args.num_params(), shard_degree * tp_degree
-    params = _ceil_div(n_params * param_dtype_bytes, ranks)
-    grads = _ceil_div(n_params * grad_dtype_bytes, ranks)
-    optimizer = _ceil_div(n_params * optim_state_bytes_per_param, ranks)
+    ranks = shard_degree * tp_degree
+    params, grads, optimizer, head_grad = _persistent_state(
+        args, ranks, param_dtype_bytes, grad_dtype_bytes, optim_state_bytes_per_param, lora_params
+    )
     fsdp_buffers = 0
     if shard_degree > 1:
-        unit = max(
-            max(_fsdp_unit(args, i, ep_degree) for i in range(args.n_layers)), args.vocab_size * args.dim
-        )
-        fsdp_buffers = _ceil_div(unit * (2 * act_bytes + grad_dtype_bytes), tp_degree)
+        fsdp_buffers = _fsdp_buffers(args, tp_degree, ep_degree, act_bytes, grad_dtype_bytes, lora_params)
     per_token_blocks, per_token_recompute = _block_activations(
         args, seq_len, batch_size, act_bytes, activation_checkpointing, attn_mask, capacity_factor
     )
@@ -208,7 +210,6 @@ def estimate_memory(
     # Gradients and activations peak at different times: at the start of backward every
     # activation is alive but only the output head's gradient exists; at its end every gradient
     # exists and the activations are gone.
-    head_grad = _ceil_div(args.vocab_size * args.dim * grad_dtype_bytes, ranks)
     total = params + optimizer + fsdp_buffers + max(activations + head_grad, grads)
     return {
         "params": params,
@@ -218,6 +219,47 @@ def estimate_memory(
         "activations": activations,
         "total": total,
     }
+
+
+def _persistent_state(
+    args: TransformerShape,
+    ranks: int,
+    param_bytes: int,
+    grad_bytes: int,
+    optim_bytes: int,
+    lora_params: int | None,
+) -> tuple[int, int, int, int]:
+    """Bytes per device of the parameters, gradients, optimizer state and the output head's gradient
+    (:func:`estimate_memory`'s arguments). LoRA freezes the architecture's parameters, the head's
+    included: only the adapters get gradients and optimizer state (``portatrain.optim`` skips frozen
+    parameters), but both are stored."""
+    n_params = args.num_params()
+    trained = n_params if lora_params is None else lora_params
+    stored = n_params + (lora_params or 0)
+    head = args.vocab_size * args.dim if lora_params is None else 0
+    return (
+        _ceil_div(stored * param_bytes, ranks),
+        _ceil_div(trained * grad_bytes, ranks),
+        _ceil_div(trained * optim_bytes, ranks),
+        _ceil_div(head * grad_bytes, ranks),
+    )
+
+
+def _fsdp_buffers(
+    args: TransformerShape,
+    tp_degree: int,
+    ep_degree: int,
+    act_bytes: int,
+    grad_bytes: int,
+    lora_params: int | None,
+) -> int:
+    """Bytes of FSDP's unsharded copies: two units' gathered parameters (this one and the prefetched
+    next) and one unit's gradients before the reduce-scatter -- with LoRA, a block's adapters only."""
+    adapters = 0 if lora_params is None else _ceil_div(lora_params, args.n_layers)  # a block's, about
+    block = max(_fsdp_unit(args, i, ep_degree) for i in range(args.n_layers)) + adapters
+    unit = max(block, args.vocab_size * args.dim)
+    grad_unit = unit if lora_params is None else adapters
+    return _ceil_div(unit * 2 * act_bytes + grad_unit * grad_bytes, tp_degree)
 
 
 def _check_inputs(
@@ -408,18 +450,36 @@ def measured_peak_bytes(fn: Callable[[], object]) -> int:
 
 
 def format_memory_report(estimate: dict[str, int], *, title: str | None = None) -> str:
-    """A fixed-width table of an :func:`estimate_memory` result, in GiB and share of the total."""
+    """A fixed-width table of an :func:`estimate_memory` result in GiB: each component's own size,
+    what of it the peak (``total``) holds, and that as a share of the total (the shares add up to 100%).
+
+    Gradients and activations peak at different times (``total = params + optimizer + fsdp_buffers
+    + max(activations + the output head's gradient, grads)``), so the peak holds either every
+    activation and only the head's gradient (the start of backward) or every gradient and no
+    activation (its end): which one follows from ``total``.
+    """
     total = estimate["total"]
+    held = {name: value for name, value in estimate.items() if name != "total"}
+    phase = None
+    if {"params", "grads", "optimizer", "fsdp_buffers", "activations"} <= held.keys() and total != sum(
+        held.values()
+    ):
+        rest = total - estimate["params"] - estimate["optimizer"] - estimate["fsdp_buffers"]
+        if rest == estimate["grads"]:  # the end of backward
+            held["activations"], phase = 0, "the end of backward: every gradient, no activation"
+        else:  # the start of backward
+            held["grads"] = rest - estimate["activations"]
+            grads = "the output head's gradient only" if held["grads"] else "no gradient yet"
+            phase = f"the start of backward: every activation, {grads}"
     lines = [title] if title else []
-    lines.append(f"{'component':<14}{'GiB':>10}{'share':>8}")
+    lines.append(f"{'component':<14}{'GiB':>8}{'at peak':>10}{'share':>8}")
     for name, value in estimate.items():
-        if name == "total":
-            continue
-        share = value / total if total else 0.0
-        lines.append(f"{name:<14}{value / _GIB:>10.2f}{share:>8.1%}")
-    lines.append(f"{'total':<14}{total / _GIB:>10.2f}{'':>8}")
-    if "params" in estimate and total != sum(v for k, v in estimate.items() if k != "total"):
-        lines.append("(gradients and activations peak at different times: total holds the larger phase)")
+        if name != "total":
+            share = held[name] / total if total else 0.0
+            lines.append(f"{name:<14}{value / _GIB:>8.2f}{held[name] / _GIB:>10.2f}{share:>8.1%}")
+    lines.append(f"{'total':<14}{'':>8}{total / _GIB:>10.2f}{1 if total else 0:>8.1%}")
+    if phase:
+        lines.append(f"(gradients and activations peak at different times; the peak is at {phase})")
     return "\n".join(lines)
 
 
