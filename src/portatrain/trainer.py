@@ -171,7 +171,7 @@ class Trainer:
             lambda ok: self.converters.post_optimizer_step(self.model),
             self.model_hooks.post_optimizer_step,
         ]
-        self.optimizer_step = build_optimizer_step(cfg, rt, self.state, self.nonfinite, hooks)
+        self.optimizer_step = build_optimizer_step(cfg, rt, self.state, self.nonfinite, hooks, self.checkpointer)
         self.preemption = PreemptionWatcher()
         self.preempted = False
         self.metrics = build_metrics(cfg, rt, self.run_dir, resumed=self.resume_from is not None)

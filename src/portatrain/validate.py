@@ -118,6 +118,9 @@ def _cross_stage_problems(cfg: Config) -> list[str]:
             "equal-size expert buffers between them; use one row length (data.collator=packing or "
             "pad_to_max) or model.moe_dispatch=dropless"
         )
+    from portatrain.train.spike import rewind_problems  # the spike guard goes back to a checkpoint
+
+    problems += rewind_problems(cfg.trainer.spike_guard, cfg.checkpoint)
     shape = shape_problems(cfg.launch)
     problems += shape
     if not shape:  # the layout is checked against the job's nodes * procs_per_node processes

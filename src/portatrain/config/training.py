@@ -235,7 +235,8 @@ class SpikeGuardConfig:
     """A step whose loss exceeds ``factor`` x the window's median is a spike."""
     action: str = "skip"
     """``skip``: the spike's step is not applied (no update, in lockstep on every rank), counted and
-    logged as ``spike_skipped``."""
+    logged as ``spike_skipped``. ``rewind``: the run goes back to its newest checkpoint and skips the
+    batches from there to the spike (``spike_rewinds``; needs ``checkpoint.every``)."""
 
 
 @dataclass

@@ -70,10 +70,12 @@ def build_optimizer_step(
     state: TrainState,
     guard: NonFiniteGuard,
     post_step: list[Callable[[torch.Tensor], None]],
+    checkpointer: Checkpointer | None = None,
 ) -> OptimizerStep:
     """The run's optimizer step over ``state``'s optimizer and schedule: clipping (``optim.grad_clip``)
     across the pipeline stages too, the non-finite ``guard``, the loss-spike guard
-    (``trainer.spike_guard``, whose window becomes part of the train state) and the ``post_step`` hooks."""
+    (``trainer.spike_guard``, whose window becomes part of the train state; ``action=rewind`` goes back
+    to ``checkpointer``'s newest checkpoint) and the ``post_step`` hooks."""
     dims = runtime.parallel_dims
     step = OptimizerStep(
         state.optimizer,
@@ -84,6 +86,7 @@ def build_optimizer_step(
         post_step=post_step,
         spike_guard=SpikeGuard.build(cfg.trainer.spike_guard, runtime.device),
         global_sum=partial(token_all_reduce, parallel_dims=dims),
+        rewind=partial(state.rewind, checkpointer, recipe=cfg.recipe) if checkpointer is not None else None,
     )
     if step.spike_guard is not None:  # its window resumes with the run
         state.parts["spike_guard"] = step.spike_guard

@@ -9,6 +9,14 @@ the same global loss): no weight update, no optimizer-state change, counted and 
 itself. Nothing syncs with the host per step: the decision is a device bool the optimizer step
 applies, and the count is read at logging steps.
 
+``action=rewind`` goes further: the run goes back to its newest checkpoint (weights, optimizer,
+schedule, RNG, counters, this window) but not to its data position, so the batches from that
+checkpoint up to the spike are skipped -- what PaLM did by hand ("restarted training from a
+checkpoint roughly 100 steps before the spike started, and skipped roughly 200-500 data batches",
+Chowdhery et al. 2022, https://arxiv.org/abs/2204.02311, section 5.1). Acting on the host costs one
+host read of the decision per step. Before the first checkpoint there is nothing to go back to: the
+step is skipped as ``skip`` does, with a warning.
+
 ``action=skip`` is MaxText's approach (skipping steps on loss spikes over a rolling window,
 https://github.com/AI-Hypercomputer/maxtext); torchtitan stops only on NaN
 (https://github.com/pytorch/torchtitan/issues/916).
@@ -20,7 +28,7 @@ from typing import Any
 
 import torch
 
-ACTIONS = ("skip",)
+ACTIONS = ("skip", "rewind")
 """Allowed values of ``trainer.spike_guard.action``."""
 
 
@@ -39,16 +47,34 @@ def spike_guard_problems(cfg: Any) -> list[str]:
     return problems
 
 
+def rewind_problems(cfg: Any, checkpoint: Any) -> list[str]:
+    """``action=rewind`` goes back to a checkpoint: the run must save some (``checkpoint.*``)."""
+    if not (cfg.window > 0 and cfg.action == "rewind"):
+        return []
+    if checkpoint.enabled and checkpoint.every > 0:
+        return []
+    return [
+        "trainer.spike_guard.action=rewind goes back to the newest checkpoint, but checkpoint.enabled="
+        f"{str(checkpoint.enabled).lower()} checkpoint.every={checkpoint.every} saves none during the run; set "
+        "checkpoint.enabled=true checkpoint.every=N (e.g. 100), or trainer.spike_guard.action=skip"
+    ]
+
+
 class SpikeGuard:
     """The rolling window of global step losses and the skip decision (module docstring)."""
 
     @classmethod
     def build(cls, cfg: Any, device: torch.device) -> SpikeGuard | None:
         """The guard ``trainer.spike_guard`` asks for, or None (``window=0``: off)."""
-        return cls(int(cfg.window), float(cfg.factor), device=device) if cfg.window else None
+        if not cfg.window:
+            return None
+        return cls(int(cfg.window), float(cfg.factor), device=device, action=str(cfg.action))
 
-    def __init__(self, window: int, factor: float, *, device: torch.device) -> None:
+    def __init__(self, window: int, factor: float, *, device: torch.device, action: str = "skip") -> None:
         self.factor = float(factor)
+        self.action = action
+        self.rewinds = 0
+        """Times ``action=rewind`` went back to a checkpoint (a host count: a rewind restores the rest)."""
         self.losses = torch.zeros(window, device=device)
         self.seen = torch.zeros((), dtype=torch.long, device=device)
         """Applied steps whose loss entered the window (the window is full once this reaches its size)."""
@@ -76,7 +102,8 @@ class SpikeGuard:
     def metrics(self) -> dict[str, float]:
         """Steps skipped so far (a host read: logging steps only)."""
         skipped = int(self.skipped.item())
-        return {"spike_skipped": skipped} if skipped else {}
+        found = {"spike_skipped": skipped} if skipped else {}
+        return {**found, "spike_rewinds": self.rewinds} if self.rewinds else found
 
     def state_dict(self) -> dict[str, Any]:
         return {"losses": self.losses.tolist(), "seen": int(self.seen), "skipped": int(self.skipped)}

@@ -114,6 +114,16 @@ class TrainState:
         self.restore(record, loader_state if restore_data else None, rng_state, path)
         return path
 
+    def rewind(self, checkpointer: Checkpointer, *, recipe: str) -> Path | None:
+        """Go back to the newest checkpoint of this run (``trainer.spike_guard.action=rewind``):
+        everything :meth:`load` restores except the data position, so the batches read since that
+        checkpoint are skipped. Returns the checkpoint, or None when the run has none yet. Collective."""
+        checkpointer.wait()  # a save still in flight is the newest
+        if checkpointer.last_step is None:
+            return None
+        path = checkpointer.folder / f"step_{checkpointer.last_step:07d}"
+        return self.load(checkpointer, path, auto=False, recipe=recipe, restore_data=False)
+
     def state_dict(self) -> dict[str, Any]:
         """What a healthy replica group sends a recovering one: this rank's shard of everything a
         resume restores."""

@@ -8,16 +8,20 @@ After the micro-batches' backward passes, :class:`OptimizerStep` does, in this o
    the loop redoes it with the next batches);
 4. the optimizer's step, skipped on the device when the norm is not finite (``trainer.on_nonfinite``,
    ``portatrain.train.nonfinite``) or the loss spikes (``trainer.spike_guard``,
-   ``portatrain.train.spike``); in lockstep: every rank sees the same global norm and loss;
+   ``portatrain.train.spike``); in lockstep: every rank sees the same global norm and loss. A spike
+   with ``action=rewind`` instead restores the newest checkpoint and drops the step (as fault
+   tolerance does: the loop goes on with the next batches);
 5. the post-step hooks: the model converters' (FP8 weight scales for the next all-gather) and the
    family's (``ModelSpec.runtime``: DeepSeek-V3's router bias), told whether the step was applied;
 6. the non-finite bookkeeping, zeroing the gradients, the LR schedule's step.
 
-No host sync: every decision stays on the device until the logging step reads it.
+No host sync: every decision stays on the device until the logging step reads it (but for
+``action=rewind``, which the host carries out: it reads the spike decision each step).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -26,6 +30,8 @@ from torch import nn
 
 from portatrain.parallel import clip_grad_norm_
 from portatrain.train.spike import SpikeGuard
+
+logger = logging.getLogger(__name__)
 
 
 class OptimizerStep:
@@ -43,6 +49,7 @@ class OptimizerStep:
         post_step: Iterable[Callable[[torch.Tensor], None]] = (),
         spike_guard: SpikeGuard | None = None,
         global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        rewind: Callable[[], Any] | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -53,6 +60,10 @@ class OptimizerStep:
         self.spike_guard = spike_guard
         self.global_sum = global_sum
         """Sums a tensor over the ranks that hold different tokens (the spike guard's global loss)."""
+        self.rewind = rewind
+        """``trainer.spike_guard.action=rewind``: restores the newest checkpoint on every rank, keeping
+        the data position; returns it, or None when there is none yet
+        (``portatrain.train.state.TrainState.rewind``)."""
         self.replica_groups: Any = None
         """``fault_tolerance.enabled``: the torchft replica groups (``portatrain.fault_tolerance``),
         set once they are joined."""
@@ -70,7 +81,7 @@ class OptimizerStep:
     def __call__(self, model: nn.Module, *, step: int, loss: torch.Tensor) -> torch.Tensor | None:
         """Apply the gradients as optimizer step ``step`` (1-based); ``loss`` is this rank's share of
         the step's global loss (summed over the ranks: the global mean). Returns the gradient norm, or
-        None when fault tolerance dropped the step."""
+        None when the step was dropped (fault tolerance; a spike guard's rewind)."""
         groups = self.replica_groups
         if groups is not None:  # averaged over the replica groups too
             groups.average_gradients(model.parameters())
@@ -82,7 +93,11 @@ class OptimizerStep:
         spikes = self.spike_guard
         if spikes is not None:
             global_loss = self.global_sum(loss.detach()) if self.global_sum is not None else loss.detach()
-            ok = finite & spikes.check(global_loss)
+            calm = spikes.check(global_loss)
+            ok = finite & calm
+            # rewind: the host acts, so it reads the decision (the same on every rank) each step.
+            if spikes.action == "rewind" and not bool(calm) and self._rewind(step, global_loss):
+                return None
         self.guard.optimizer_step(self.optimizer, ok, skip=spikes is not None)
         if spikes is not None:
             spikes.applied(global_loss, ok)
@@ -92,3 +107,31 @@ class OptimizerStep:
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         return grad_norm
+
+    def _rewind(self, step: int, loss: torch.Tensor) -> bool:
+        """Go back to the newest checkpoint for the spike at ``step`` (collective); False when there is
+        none yet, and the step is then skipped as ``action=skip`` skips it."""
+        median = float(self.spike_guard.losses.median())
+        back_to = self.rewind() if self.rewind is not None else None
+        if back_to is None:
+            logger.warning(
+                "loss spike at step %d (%.4g > %g x median %.4g) before the first checkpoint: the step "
+                "is skipped, not rewound",
+                step,
+                float(loss),
+                self.spike_guard.factor,
+                median,
+            )
+            return False
+        self.optimizer.zero_grad(set_to_none=True)
+        self.spike_guard.rewinds += 1
+        logger.warning(
+            "loss spike at step %d (%.4g > %g x median %.4g): rewound to %s; the batches since it are "
+            "skipped",
+            step,
+            float(loss),
+            self.spike_guard.factor,
+            median,
+            back_to,
+        )
+        return True
