@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from portatrain.config import OptimConfig
 from portatrain.errors import ConfigError
 from portatrain.optim import build_lr_scheduler, build_optimizer, lr_lambda, optim_problems
+from portatrain.optim.resume import changed_hyperparameters, resume_param_groups
 
 
 def _model() -> torch.nn.Module:
@@ -85,3 +87,20 @@ def test_every_problem_at_once() -> None:
         assert expected in text
     with pytest.raises(ConfigError, match="optim.name='sgd'"):
         build_optimizer(_model(), OptimConfig(name="sgd"))
+
+
+def test_resume_takes_the_configs_hyperparameters_and_logs_each_change(caplog) -> None:
+    """The optimizer stage's resume policy (the checkpointer is handed it): the current groups win; a
+    checkpoint's JSON list equals the optimizer's tuple, and each real change is one logged item."""
+    saved = [{"initial_lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "params": [0]}]
+    current = [{"initial_lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.05, "params": [0]}]
+    changes = ["optim.lr 0.003 -> 0.001", "optim.weight_decay 0.1 -> 0.05"]
+    assert changed_hyperparameters(saved, current) == changes
+    with caplog.at_level("WARNING"):
+        groups = resume_param_groups(saved, current, Path("step_3"))
+    assert groups == current and groups[0] is not current[0]
+    assert (
+        f"resuming step_3 with changed optimizer settings, applied from the config: {changes[0]}"
+        in caplog.text
+    )
+    assert changed_hyperparameters(saved, saved) == []

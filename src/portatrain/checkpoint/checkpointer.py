@@ -6,7 +6,9 @@
 - a model with frozen parameters (LoRA) saves its trainable ones and references its frozen base,
   written or hashed once per run, and every load reads the base through that reference first
   (``base.py``);
-- :func:`changed_hyperparameters` -- the resume policy for optimizer hyper-parameters.
+- what a resumed optimizer's parameter groups become is the optimizer stage's policy
+  (``portatrain.optim.resume``), handed to :meth:`Checkpointer.load`; the checkpointer only checks
+  that the saved groups fit.
 
 Its parts live beside it: finding and checking checkpoints without reading tensors
 (``discovery.py``; :func:`complete_checkpoints`, :func:`read_trainer_state` and
@@ -63,6 +65,10 @@ from portatrain.checkpoint.verify import ALGORITHM, checksums, flat_tensors, ver
 # should not pay DCP's ~0.8 s import.
 
 logger = logging.getLogger(__name__)
+
+ParamGroupPolicy = Callable[[list[dict[str, Any]], list[dict[str, Any]], Path], list[dict[str, Any]]]
+"""``policy(saved, current, path)``: the parameter groups an optimizer resumed from ``path`` loads,
+given the checkpoint's and the current optimizer's (``portatrain.optim.resume.resume_param_groups``)."""
 
 
 class Checkpointer:
@@ -313,6 +319,7 @@ class Checkpointer:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         rng_template: Mapping[str, Any],
+        param_groups: ParamGroupPolicy,
         read_loader_state: bool = True,
     ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
         """Load model and optimizer (resharded to the current layout) from ``path``.
@@ -321,13 +328,14 @@ class Checkpointer:
         :meth:`save`, this rank's loader state (rank 0's when the world size changed: the sampler's
         position is global; None when ``read_loader_state`` is false), and this rank's RNG state
         (None when the world size changed: the saved ranks are not these ranks). ``rng_template``
-        is the current RNG state, for shapes. Raises :class:`CheckpointError` naming the file and
+        is the current RNG state, for shapes; ``param_groups`` the resume policy for the optimizer's
+        hyper-parameters (:data:`ParamGroupPolicy`). Raises :class:`CheckpointError` naming the file and
         the mismatch; a :class:`DamagedCheckpointError` when its tensors are unreadable, differ from
         the checksums written at save time, or hold a NaN/inf (the verdict is the same on every rank).
 
-        Optimizer hyper-parameters (``optim.lr``, ``betas``, ``eps``, ``weight_decay``) come from the
-        current config, not the checkpoint: the moments and step counts are restored, and a changed
-        value is applied and logged (``config.yaml`` records what the run now uses).
+        The moments and step counts are restored; the parameter groups are what ``param_groups``
+        makes of the saved and the current ones (the training run's: the config's hyper-parameters,
+        a changed value logged; ``config.yaml`` records what the run now uses).
         """
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -348,7 +356,8 @@ class Checkpointer:
         if same_world and any(k.startswith(rng_key) for k in metadata.state_dict_metadata):
             rng = {k: v.clone() for k, v in rng_template.items() if isinstance(v, torch.Tensor)}
             tensors["rng"] = {f"rank{rank}": rng}
-        param_groups = _current_param_groups(path, state["optimizer_param_groups"], optim_sd["param_groups"])
+        saved_groups = _checked_param_groups(path, state["optimizer_param_groups"], optim_sd["param_groups"])
+        groups = param_groups(saved_groups, optim_sd["param_groups"], path)
         dtypes = saved_dtypes(metadata)
         base = load_base(path, state, model)
         try:
@@ -364,7 +373,7 @@ class Checkpointer:
                 model,
                 optimizer,
                 model_state_dict=tensors["model"],
-                optim_state_dict={"state": tensors["optim"], "param_groups": param_groups},
+                optim_state_dict={"state": tensors["optim"], "param_groups": groups},
                 options=StateDictOptions(strict=not has_base),
             )
         except CheckpointError:
@@ -376,11 +385,11 @@ class Checkpointer:
         return state, loader_state, tensors.get("rng", {}).get(f"rank{rank}")
 
 
-def _current_param_groups(
+def _checked_param_groups(
     path: Path, saved: list[dict[str, Any]], current: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    """The current optimizer's parameter groups (the config's hyper-parameters win), after checking
-    that the checkpoint has as many; a changed hyper-parameter is logged."""
+    """The checkpoint's optimizer parameter groups, after checking that they are as many as the
+    current optimizer's and readable."""
     if len(saved) != len(current):
         raise CheckpointError(
             f"checkpoint {path}: its optimizer has {len(saved)} parameter groups, this one {len(current)} "
@@ -388,35 +397,7 @@ def _current_param_groups(
         )
     if not all(isinstance(old, dict) for old in saved):
         raise CheckpointError(f"checkpoint file {path / TRAINER_STATE}: optimizer_param_groups is damaged")
-    changes = changed_hyperparameters(saved, current)
-    if changes:
-        logger.warning(
-            "resuming %s with changed optimizer settings, applied from the config: %s",
-            path,
-            "; ".join(changes),
-        )
-    return [dict(group) for group in current]
-
-
-def changed_hyperparameters(saved: list[dict[str, Any]], current: list[dict[str, Any]]) -> list[str]:
-    """The resume policy for optimizer hyper-parameters: the config's values win over the
-    checkpoint's; each one that differs is returned as ``"optim.lr 0.001 -> 0.0005"`` (sorted)."""
-    # The hyper-parameters compared, and the config key that sets each.
-    hyper = {
-        "initial_lr": "optim.lr",
-        "betas": "optim.betas",
-        "eps": "optim.eps",
-        "weight_decay": "optim.weight_decay",
-    }
-    changes = set()
-    for old, new in zip(saved, current):
-        for key, name in hyper.items():
-            before, after = old.get(key), new.get(key)
-            if isinstance(after, tuple):
-                before = tuple(before) if isinstance(before, list) else before
-            if before is not None and after is not None and before != after:
-                changes.add(f"{name} {before} -> {after}")
-    return sorted(changes)
+    return saved
 
 
 def model_args_dict(model: nn.Module) -> dict[str, Any] | None:

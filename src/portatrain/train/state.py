@@ -28,7 +28,7 @@ from portatrain.fault_tolerance import (
     module_state,
     optimizer_state,
 )
-from portatrain.optim.resume import restore_lr_schedule
+from portatrain.optim.resume import restore_lr_schedule, resume_param_groups
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,8 @@ class TrainState:
     ) -> Path:
         """Restore everything from checkpoint ``path``; returns the checkpoint actually loaded.
 
-        Every load checks the tensors it reads against the checksums written with them, and that they
+        The optimizer stage's resume policy (``portatrain.optim.resume``) decides the hyper-parameters:
+        the config's. Every load checks the tensors it reads against the checksums written with them, and that they
         are finite. With ``auto`` (``checkpoint.resume=auto``) a checkpoint that fails (unreadable,
         damaged or non-finite: :class:`DamagedCheckpointError`) is skipped with a warning naming it,
         and the one before it is loaded (every rank agrees: rank 0 picks); otherwise that is the error.
@@ -97,6 +98,7 @@ class TrainState:
                     model=self.model,
                     optimizer=self.optimizer,
                     rng_template=self.accelerator.get_rng_state(),
+                    param_groups=resume_param_groups,  # the optimizer stage's policy
                     read_loader_state=restore_data,
                 )
                 break
