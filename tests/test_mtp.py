@@ -5,6 +5,8 @@ Face names of the published layer, and FSDP2 and context parallel against one pr
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,9 +29,7 @@ TINY_ARGS = dict(
 
 def _model(depth: int) -> torch.nn.Module:
     torch.manual_seed(0)
-    args = dataclasses.replace(
-        DEEPSEEK_V3.flavors["debug"], mtp_layers=depth, **TINY_ARGS
-    )
+    args = dataclasses.replace(DEEPSEEK_V3.flavors["debug"], mtp_layers=depth, **TINY_ARGS)
     model = DEEPSEEK_V3.model_cls(args)
     model.init_weights()
     return model
@@ -41,24 +41,16 @@ def _reference_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tenso
     h_k = block(eh_proj([enorm(emb(t[i+k])); hnorm(h_{k-1})])), predicting t[i+k+1]."""
     ids, seq_len = tokens[:, :-1], tokens.shape[1] - 1
     captured = {}
-    model(
-        ids, output_fn=lambda h, w: captured.setdefault("h", h)
-    )  # the main model's normalized output
+    model(ids, output_fn=lambda h, w: captured.setdefault("h", h))  # the main model's normalized output
     h = captured["h"]
     head = model.lm_head.weight
     total = 0.0
     for k, layer in enumerate(model.mtp.layers.values(), start=1):
         n = seq_len - k
-        x = layer.eh_proj(
-            torch.cat(
-                [layer.enorm(model.embed_tokens(ids[:, k:])), layer.hnorm(h[:, :n])], -1
-            )
-        )
+        x = layer.eh_proj(torch.cat([layer.enorm(model.embed_tokens(ids[:, k:])), layer.hnorm(h[:, :n])], -1))
         h = layer.block(x, model.rope_cos[:n], model.rope_sin[:n])
         logits = F.linear(layer.norm(h), head)
-        total = total + F.cross_entropy(
-            logits.flatten(0, 1), tokens[:, k + 1 :].flatten(), reduction="sum"
-        )
+        total = total + F.cross_entropy(logits.flatten(0, 1), tokens[:, k + 1 :].flatten(), reduction="sum")
     return total * model.args.mtp_loss_weight / len(model.mtp.layers)
 
 
@@ -115,14 +107,33 @@ def test_the_depth_is_the_published_layer_after_the_main_model() -> None:
     ):
         assert f"{layer}.{key}.weight" in theirs, key
     assert f"{layer}.mlp.experts.0.gate_proj.weight" in theirs
-    torch.testing.assert_close(
-        theirs[f"{layer}.embed_tokens.weight"], ours["embed_tokens.weight"]
-    )
-    torch.testing.assert_close(
-        theirs[f"{layer}.shared_head.head.weight"], ours["lm_head.weight"]
-    )
+    torch.testing.assert_close(theirs[f"{layer}.embed_tokens.weight"], ours["embed_tokens.weight"])
+    torch.testing.assert_close(theirs[f"{layer}.shared_head.head.weight"], ours["lm_head.weight"])
     back = ds3_hf.from_hf(theirs)
     assert sorted(back) == sorted(ours)
     for key, value in ours.items():
         torch.testing.assert_close(back[key], value)
     assert ds3_hf.hf_config(model.args)["num_nextn_predict_layers"] == 1
+
+
+def test_init_from_reads_the_depth_and_a_model_without_one_skips_it(tmp_path: Path) -> None:
+    """A Hugging Face directory with the depth as layer 2 (as DeepSeek-V3's layer 61, with its copies of
+    the embedding and head) loads into a model with one depth exactly, and into one without it."""
+    from safetensors.torch import save_file
+
+    from portatrain.checkpoint.hf import load_hf_weights
+
+    source = _model(depth=1)
+    (tmp_path / "config.json").write_text(json.dumps(ds3_hf.hf_config(source.args, torch_dtype="float32")))
+    save_file(
+        {k: v.contiguous() for k, v in ds3_hf.to_hf(source.state_dict()).items()}, tmp_path / "m.safetensors"
+    )
+    for depth in (1, 0):
+        torch.manual_seed(1)
+        model = DEEPSEEK_V3.model_cls(dataclasses.replace(source.args, mtp_layers=depth))
+        model.init_weights()
+        load_hf_weights(model, tmp_path, DEEPSEEK_V3)
+        got, want = model.state_dict(), source.state_dict()
+        assert set(got) == {k for k in want if depth or not k.startswith("mtp.")}
+        for key, value in got.items():
+            torch.testing.assert_close(value, want[key], msg=key)

@@ -27,7 +27,15 @@ if TYPE_CHECKING:
 
 # config.json fields that may differ between the file and the model: the RoPE table length is a
 # training choice, the dtype a storage one, and tying is checked on its own below.
-_FREE_CONFIG_KEYS = ("max_position_embeddings", "torch_dtype", "tie_word_embeddings")
+# Keys that may differ between the file and the model. num_nextn_predict_layers counts multi-token-
+# prediction layers stored after the main ones (DeepSeek-V3's layer 61): a model without them does not
+# read them, and a model with more than the file has finds its tensors missing, one error naming them.
+_FREE_CONFIG_KEYS = (
+    "max_position_embeddings",
+    "torch_dtype",
+    "tie_word_embeddings",
+    "num_nextn_predict_layers",
+)
 
 
 def load_hf_weights(model: nn.Module, hf_dir: str | Path, spec: ModelSpec) -> None:

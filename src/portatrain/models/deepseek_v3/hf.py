@@ -49,7 +49,8 @@ def to_hf(state_dict: Mapping[str, Any]) -> dict[str, Any]:
         else:
             ours[f"{layer}.{rest}"] = value
         if rest == "enorm.weight" and embed is not None:
-            ours.update({f"{layer}.{name}": w for name, w in zip(_MTP_COPIES, (embed, head))})
+            # Copies, not the same tensors: safetensors refuses to write one storage under two names.
+            ours.update({f"{layer}.{name}": w.clone() for name, w in zip(_MTP_COPIES, (embed, head))})
     return common.experts_to_hf(common.to_hf(ours))
 
 
