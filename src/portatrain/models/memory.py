@@ -11,7 +11,9 @@ its own estimate and registers that in its ``ModelSpec.estimate_memory``.
 * ``params``, ``grads``, ``optimizer`` -- the persistent state, divided over ``shard_degree * tp_degree``
   ranks. FSDP2 pads each parameter's dim 0 to a multiple of the shard degree; that padding is ignored.
   With LoRA (``lora_params``) the base is frozen: stored, but with neither gradients nor optimizer
-  state; the adapters are stored, and only they have gradients and AdamW moments.
+  state; the adapters are stored, and only they have gradients and AdamW moments. The activations
+  are full fine-tuning's: the adapters' own saved tensors (``A x``: ``rank`` values per token and
+  adapted layer) are left out, a few per cent of a block's at rank 8.
 * ``fsdp_buffers`` -- transient unsharded copies FSDP keeps while it computes: the current unit's
   and the prefetched next unit's all-gathered parameters, plus one unit's unsharded gradients before
   the reduce-scatter. A unit is one transformer block, or the embedding / output projection if larger.
@@ -27,7 +29,8 @@ batch, a packed attention mask (``B * S * S`` bytes) or the optimizer step's tem
 10-20% headroom on accelerators. Checked against measured peaks on CPU (torch's CPU allocator,
 ``scripts/bench_memory.py``, docs/benchmarks.md "The dry run against measured peaks"): within -1%..+10%
 over three sizes, two sequence lengths, the three checkpointing modes, the chunked loss and FSDP2
-on two processes; ``tests/test_conformance.py`` keeps two such comparisons for every family.
+on two processes; ``tests/test_conformance.py`` keeps two such comparisons for every family,
+``tests/test_memory.py`` one for LoRA.
 
 Activations saved for backward, per token and layer, in elements of the activation dtype
 (``h`` = dim, ``q`` = ``n_heads * head_dim`` (= ``h`` for Llama), ``f`` = SwiGLU width, ``a`` = query
