@@ -173,7 +173,10 @@ class MTPRuntime(NoRuntime):
 
     def prepare_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         batch = self.inner.prepare_batch(batch)
-        return mtp_targets(batch, len(self.mtp.layers)) if self.model.training else batch
+        # Training batches of token ids and labels only (a preference pair's batch has neither).
+        if self.model.training and "input_ids" in batch and "labels" in batch:
+            return mtp_targets(batch, len(self.mtp.layers))
+        return batch
 
     @contextlib.contextmanager
     def extra_loss(self, batch: dict[str, torch.Tensor]) -> Iterator[ExtraLoss]:
