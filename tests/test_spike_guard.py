@@ -121,6 +121,22 @@ def test_rewind_goes_back_to_the_checkpoint_and_skips_the_batches_since(tmp_path
     assert [m.get("spike_rewinds") for m in records] == [None] * 3 + [1] * 5
 
 
+def test_a_spike_before_the_first_checkpoint_is_skipped(tmp_path: Path, caplog) -> None:
+    rewind = [
+        "trainer.spike_guard.window=3",
+        "trainer.spike_guard.factor=3",
+        "trainer.spike_guard.action=rewind",
+    ]
+    overrides = [*CONSTANT_LR[:-1], "trainer.steps=5", "checkpoint.every=5", *rewind]
+    with caplog.at_level("WARNING", logger="portatrain.train.step"):
+        guarded = fit(overrides, tmp_path / "g", SpikeOnce)
+    records = [m for m in read_metrics(tmp_path / "g") if "loss" in m]
+    assert [m["step"] for m in records] == [1, 2, 3, 4, 5]  # nothing to go back to: the run goes on
+    assert records[SPIKE_STEP - 1]["spike_skipped"] == 1 and "spike_rewinds" not in records[-1]
+    assert guarded.optimizer_step.spike_guard.rewinds == 0
+    assert any("before the first checkpoint: the step is skipped" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.parametrize(
     ("override", "named"),
     [

@@ -87,6 +87,7 @@ def build_optimizer_step(
         spike_guard=SpikeGuard.build(cfg.trainer.spike_guard, runtime.device),
         global_sum=partial(token_all_reduce, parallel_dims=dims),
         rewind=partial(state.rewind, checkpointer, recipe=cfg.recipe) if checkpointer is not None else None,
+        is_main=runtime.dist.is_main,
     )
     if step.spike_guard is not None:  # its window resumes with the run
         state.parts["spike_guard"] = step.spike_guard

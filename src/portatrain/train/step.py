@@ -50,6 +50,7 @@ class OptimizerStep:
         spike_guard: SpikeGuard | None = None,
         global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
         rewind: Callable[[], Any] | None = None,
+        is_main: bool = True,
     ) -> None:
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -64,6 +65,7 @@ class OptimizerStep:
         """``trainer.spike_guard.action=rewind``: restores the newest checkpoint on every rank, keeping
         the data position; returns it, or None when there is none yet
         (``portatrain.train.state.TrainState.rewind``)."""
+        self.is_main = is_main  # rank 0 says what a rewind did, once
         self.replica_groups: Any = None
         """``fault_tolerance.enabled``: the torchft replica groups (``portatrain.fault_tolerance``),
         set once they are joined."""
@@ -114,24 +116,26 @@ class OptimizerStep:
         median = float(self.spike_guard.losses.median())
         back_to = self.rewind() if self.rewind is not None else None
         if back_to is None:
+            if self.is_main:
+                logger.warning(
+                    "loss spike at step %d (%.4g > %g x median %.4g) before the first checkpoint: the step "
+                    "is skipped, not rewound",
+                    step,
+                    float(loss),
+                    self.spike_guard.factor,
+                    median,
+                )
+            return False
+        self.optimizer.zero_grad(set_to_none=True)
+        self.spike_guard.rewinds += 1
+        if self.is_main:
             logger.warning(
-                "loss spike at step %d (%.4g > %g x median %.4g) before the first checkpoint: the step "
-                "is skipped, not rewound",
+                "loss spike at step %d (%.4g > %g x median %.4g): rewound to %s; the batches since it are "
+                "skipped",
                 step,
                 float(loss),
                 self.spike_guard.factor,
                 median,
+                back_to,
             )
-            return False
-        self.optimizer.zero_grad(set_to_none=True)
-        self.spike_guard.rewinds += 1
-        logger.warning(
-            "loss spike at step %d (%.4g > %g x median %.4g): rewound to %s; the batches since it are "
-            "skipped",
-            step,
-            float(loss),
-            self.spike_guard.factor,
-            median,
-            back_to,
-        )
         return True
