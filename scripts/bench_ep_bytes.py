@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from portatrain.cli import config_dir
 from portatrain.config import register_configs
+from portatrain.models import ModelSchema
 from portatrain.models.common.moe import MoE
 from portatrain.trainer import Trainer
 
@@ -71,7 +72,7 @@ def analytic_bytes(layer: MoE, tokens: int, dim: int, itemsize: int, ep: int) ->
 
 
 def main(argv: list[str]) -> None:
-    register_configs()
+    register_configs(ModelSchema)
     with initialize_config_dir(config_dir=config_dir(), version_base=None):
         cfg = compose("config", overrides=[*DEFAULTS, *argv])
     with open_dict(cfg):

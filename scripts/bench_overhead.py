@@ -49,7 +49,7 @@ from portatrain.data.collate import with_attention_mask
 from portatrain.data.documents import load_documents
 from portatrain.data.loader import build_dataloader
 from portatrain.data.tokenizer import build_tokenizer
-from portatrain.models import build_model
+from portatrain.models import ModelSchema, build_model
 from portatrain.trainer import Trainer
 
 BASE_OVERRIDES = [
@@ -70,7 +70,7 @@ Step = tuple[float, int]  # (seconds, real tokens)
 
 def compose(overrides: list[str], run_dir: Path) -> DictConfig:
     """The config exactly as ``portatrain`` composes it from the command line."""
-    register_configs()
+    register_configs(ModelSchema)
     with initialize_config_dir(config_dir=config_dir(), version_base=None):
         cfg = hydra_compose("config", overrides=overrides)
     with open_dict(cfg):

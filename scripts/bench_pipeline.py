@@ -44,6 +44,7 @@ from omegaconf import open_dict
 
 from portatrain.cli import config_dir
 from portatrain.config import register_configs
+from portatrain.models import ModelSchema
 from portatrain.models.memory import measured_peak_bytes
 from portatrain.parallel.pipeline import bubble_fraction
 
@@ -88,7 +89,7 @@ own compute is a fraction of a millisecond a block, far below the fixed cost."""
 def build_trainer(overrides: list[str], name: str):
     from portatrain.trainer import Trainer
 
-    register_configs()
+    register_configs(ModelSchema)
     with initialize_config_dir(config_dir=config_dir(), version_base=None):
         cfg = compose("config", overrides=overrides)
     with open_dict(cfg):  # a fresh directory per launch (main makes it), one per run

@@ -62,8 +62,9 @@ def compose(overrides: list[str]):
 
     from portatrain.cli import config_dir
     from portatrain.config import register_configs
+    from portatrain.models import ModelSchema
 
-    register_configs()
+    register_configs(ModelSchema)
     with initialize_config_dir(config_dir=config_dir(), version_base=None):
         return hydra_compose("config", overrides=overrides)
 

@@ -79,9 +79,10 @@ def compose(overrides: list[str], run_dir: Path) -> Any:
 
     from portatrain.cli import config_dir
     from portatrain.config import register_configs
+    from portatrain.models import ModelSchema
     from portatrain.validate import validate
 
-    register_configs()
+    register_configs(ModelSchema)
     with initialize_config_dir(config_dir=config_dir(), version_base=None):
         cfg = hydra_compose("config", overrides=[*overrides, f"run_dir={run_dir}"])
     validate(cfg)

@@ -24,6 +24,7 @@ from portatrain.accelerators.cpu import CPUAccelerator
 from portatrain.cli import config_dir
 from portatrain.config import register_configs
 from portatrain.launch.moved_keys import apply_moved_keys
+from portatrain.models import ModelSchema
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,7 +85,7 @@ def relative_error(got, want) -> float:
 
 def compose_config(overrides: list[str], run_dir: Path | None = None) -> DictConfig:
     """The config ``portatrain OVERRIDES...`` would run with (``run_dir`` set when given)."""
-    register_configs()
+    register_configs(ModelSchema)
     with initialize_config_dir(config_dir=config_dir(), version_base=None):
         cfg = compose("config", overrides=overrides)
     apply_moved_keys(cfg)  # as the CLI does: parallel.launch.X is launch.X

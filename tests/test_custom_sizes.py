@@ -3,6 +3,7 @@ the dry run, training, export and ``model.init_from``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,8 +11,10 @@ import pytest
 import torch
 
 from portatrain.checkpoint import CheckpointError, complete_checkpoints
+from portatrain.config import ModelConfig
 from portatrain.errors import ConfigError
 from portatrain.export import export_hf
+from portatrain.models import get_spec, model_args, model_problems, model_schema
 from portatrain.plan import describe_plan
 from portatrain.validate import validate
 from tests.helpers import compose_config, fit, make_trainer, run_cli
@@ -75,3 +78,36 @@ def test_custom_size_trains_exports_and_initializes_back(tmp_path: Path) -> None
         assert torch.equal(started.model.eval()(tokens), source.model.eval()(tokens))
     with pytest.raises(CheckpointError, match="hidden_size: config.json has 64, the model 128"):
         make_trainer([f"model.init_from={out}"], tmp_path / "flavour_only")  # without the custom sizes
+
+
+def test_a_family_option_lives_in_its_folder_and_composes_under_model() -> None:
+    """DeepSeek-V3's own keys are its spec's ``options`` (not the shared ``ModelConfig``), yet compose
+    as ``model.<key>``, set its arguments, and are refused by name for another family as before."""
+    shared = {f.name for f in dataclasses.fields(ModelConfig)}
+    options = {f.name for f in dataclasses.fields(get_spec("deepseek_v3").options)}
+    assert {"n_group", "topk_group", "bias_update_rate", "q_lora_rank", "kv_lora_rank"} <= options
+    assert not options & shared
+    cfg = compose_config(["model=deepseek_v3_debug", "model.q_lora_rank=16", "model.n_group=2"])
+    assert (model_args(cfg.model).q_lora_rank, model_args(cfg.model).n_group) == (16, 2)
+    problems = model_problems(compose_config(["model.kv_lora_rank=8"]).model)
+    assert len(problems) == 1 and problems[0].startswith(
+        "model.kv_lora_rank=8: not an option of the llama3 family; unset it, or use one of model.dim,"
+    )
+
+
+def test_a_family_option_that_clashes_is_refused_when_the_registry_is_built() -> None:
+    @dataclasses.dataclass
+    class Shared:  # repeats a shared key
+        dim: int | None = None
+
+    @dataclasses.dataclass
+    class Defaulted:  # a default would override every flavour's value
+        q_lora_rank: int | None = 8
+
+    @dataclasses.dataclass
+    class Retyped:  # DeepSeek-V3's q_lora_rank with another type
+        q_lora_rank: float | None = None
+
+    for bad, message in [(Shared, "option dim"), (Defaulted, "option q_lora_rank"), (Retyped, "float")]:
+        with pytest.raises(TypeError, match=message):
+            model_schema([get_spec("deepseek_v3"), dataclasses.replace(get_spec("qwen3"), options=bad)])

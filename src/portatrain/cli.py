@@ -333,7 +333,9 @@ def main(trainer_cls: type | None = None, argv: list[str] | None = None) -> None
         sys.exit(status or 0)
     keys = shorthands(module)
     sys.argv[1:] = [*command_overrides(module), *(_expand_shorthand(keys, arg) for arg in sys.argv[1:])]
-    register_configs()
+    from portatrain.models import ModelSchema  # the families' model.* keys (torch: validation needs it)
+
+    register_configs(ModelSchema)
 
     def portatrain(cfg: DictConfig) -> None:  # Hydra names the job after this function
         try:

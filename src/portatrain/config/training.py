@@ -33,7 +33,9 @@ class ModelConfig:
     max_seq_len: int | None = None
     """Override the flavour's RoPE table length."""
     # Custom sizes: None keeps the flavour's value. A family maps each key onto its arguments
-    # (``ModelSpec.config_overrides``); a key it does not support is a config error.
+    # (``ModelSpec.config_overrides``); a key it does not support is a config error. The keys of one
+    # family only (DeepSeek-V3's latent attention and group routing) are declared in its folder
+    # (``ModelSpec.options``) and join this section's schema (``portatrain.models.ModelSchema``).
     dim: int | None = None
     """Hidden size."""
     n_layers: int | None = None
@@ -58,16 +60,6 @@ class ModelConfig:
     """Mixture-of-experts families: experts each token is routed to."""
     moe_ffn_dim: int | None = None
     """Mixture-of-experts families: each expert's SwiGLU width."""
-    n_group: int | None = None
-    """DeepSeek-V3: expert groups for group-limited routing."""
-    topk_group: int | None = None
-    """DeepSeek-V3: groups a token's experts may come from (at most ``n_group``)."""
-    bias_update_rate: float | None = None
-    """DeepSeek-V3: per-step change of each expert's selection bias toward even load (0 freezes it)."""
-    kv_lora_rank: int | None = None
-    """DeepSeek-V3: width of the key/value latent of latent attention."""
-    qk_rope_head_dim: int | None = None
-    """DeepSeek-V3: rotary query/key channels per head (even)."""
     moe_dispatch: str = "auto"
     """Mixture-of-experts families: ``dropless`` (every token reaches its experts; shapes vary with
     the routing), ``capacity`` (a fixed number of slots per expert, overflow dropped and counted;

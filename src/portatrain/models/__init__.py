@@ -2,8 +2,9 @@
 
 Generic code reaches a family only through :func:`get_spec` (``cfg.model.name`` -> spec). Adding a
 family is one folder under ``portatrain/models/`` that builds its spec, one entry in :data:`SPECS`
-below and its ``conf/model/`` files. :func:`model_args` and :func:`build_model` turn a
-``ModelConfig`` (flavour + custom sizes) into arguments and a model; :func:`model_problems` is the
+below and its ``conf/model/`` files; a family's own ``model.*`` keys are its spec's ``options`` and
+join the config schema through :data:`ModelSchema`. :func:`model_args` and :func:`build_model` turn
+a ``ModelConfig`` (flavour + custom sizes) into arguments and a model; :func:`model_problems` is the
 model stage's part of config validation.
 
 Importing this costs ``import torch`` and the families' model files; each family's parallel plan is
@@ -13,6 +14,7 @@ imported when first applied.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 from torch import nn
 
@@ -33,6 +35,34 @@ SPECS: dict[str, ModelSpec] = {
 }
 """Model family name (``model.name``) -> its spec. One entry per family."""
 
+
+def model_schema(specs: Iterable[ModelSpec]) -> type[ModelConfig]:
+    """:class:`ModelConfig` with the :attr:`~ModelSpec.options` fields of every family in ``specs``."""
+    shared = {f.name for f in dataclasses.fields(ModelConfig)}
+    declared: dict[str, tuple[str, dataclasses.Field]] = {}
+    options = {}
+    for spec in specs:
+        for f in dataclasses.fields(spec.options) if spec.options is not None else ():
+            # A wrong declaration is the family author's bug: it fails at import, in every test.
+            if f.name in shared or f.default is not None:
+                raise TypeError(
+                    f"{spec.name}: option {f.name} must default to None (keep the flavour's value) and "
+                    "not repeat a shared ModelConfig key"
+                )
+            first, earlier = declared.setdefault(f.name, (spec.name, f))
+            if earlier.type != f.type:
+                raise TypeError(f"model.{f.name} is {earlier.type} in {first} but {f.type} in {spec.name}")
+            options[spec.options] = None
+    schema = dataclasses.make_dataclass("ModelSchema", [], bases=(*options, ModelConfig))
+    schema.__module__ = __name__  # where a pickled config finds it
+    return schema
+
+
+ModelSchema = model_schema(SPECS.values())
+"""The ``model`` section's schema (``portatrain.config.register_configs(ModelSchema)``): the shared
+keys of :class:`ModelConfig` and every family's own, so a misspelt ``model.<key>`` is an error and one
+of another family is refused by name (:meth:`ModelSpec.args`)."""
+
 ARCH_OVERRIDES: tuple[str, ...] = (
     "dim",
     "n_layers",
@@ -47,14 +77,11 @@ ARCH_OVERRIDES: tuple[str, ...] = (
     "n_experts",
     "top_k",
     "moe_ffn_dim",
-    "n_group",
-    "topk_group",
-    "bias_update_rate",
-    "kv_lora_rank",
-    "qk_rope_head_dim",
+    *(f.name for f in dataclasses.fields(ModelSchema)[len(dataclasses.fields(ModelConfig)) :]),
 )
-"""``ModelConfig`` fields that change the architecture on top of the flavour (None keeps it).
-``vocab_size`` is handled apart: it combines with the tokenizer's (see :func:`model_args`)."""
+"""``model.*`` keys that change the architecture on top of the flavour (None keeps it): the shared
+custom sizes, then the families' own options. ``vocab_size`` is handled apart: it combines with the
+tokenizer's (see :func:`model_args`)."""
 
 
 def get_spec(name: str) -> ModelSpec:
@@ -149,9 +176,11 @@ def build_model(model_cfg: ModelConfig, *, vocab_size: int | None = None) -> nn.
 __all__ = [
     "ARCH_OVERRIDES",
     "SPECS",
+    "ModelSchema",
     "build_model",
     "get_spec",
     "model_args",
+    "model_schema",
     "model_problems",
     "moe_dispatch",
 ]

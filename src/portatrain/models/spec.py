@@ -176,6 +176,11 @@ class ModelSpec:
     (e.g. ``{"ffn_dim": "ffn_hidden_dim"}``), for custom sizes from the command line. A key not
     listed here that names a field of :attr:`args_cls` sets that field; any other key set in the
     config (e.g. ``model.head_dim`` for Llama, which derives it) is an error naming the choices."""
+    options: type | None = None
+    """The family's own ``model.*`` keys: a dataclass whose fields (each ``X | None = None``, None
+    keeping the flavour's value, with an attribute docstring) join the config schema's ``model``
+    section (``portatrain.models.ModelSchema``) and set the arguments field of the same name (or
+    :attr:`config_overrides`' one). A new option of one family is a field here, in its folder."""
 
     runtime: Callable[[nn.Module, RuntimeOptions], ModelRuntime] = no_runtime
     """``runtime(model, options)``: configure the built (meta) model for the run and return its hooks
