@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from portatrain.checkpoint import CheckpointError
+from portatrain.checkpoint.hf import embedding_rows
 from portatrain.models.llama.hf import hf_config
 from portatrain.models.llama.model import LLAMA3_FLAVORS
 from portatrain.trainer import Trainer
@@ -109,3 +110,6 @@ def test_init_from_takes_the_checkpoints_padded_vocabulary(tmp_path: Path, monke
     (tmp_path / "padded" / "config.json").write_text(json.dumps(small))
     with pytest.raises(CheckpointError, match="has 258 tokens but model.init_from=.* has 200 embedding rows"):
         init_from(tmp_path / "padded", tmp_path / "c")
+    # A directory gone by the time a run resumes (which does not read it) leaves the tokenizer's size.
+    gone = compose_config(TINY + [f"model.init_from={tmp_path / 'gone'}"]).model
+    assert embedding_rows(gone, 258, "byte") == 258

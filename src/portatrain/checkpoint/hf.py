@@ -122,7 +122,10 @@ def embedding_rows(model_cfg: ModelConfig, tokenizer_vocab: int, tokenizer_name:
     from portatrain.models import get_spec
 
     hf_dir, spec = Path(model_cfg.init_from), get_spec(model_cfg.name)
-    config_file, config = read_hf_config(hf_dir)
+    try:
+        config_file, config = read_hf_config(hf_dir)
+    except CheckpointError:  # a resume does not read the directory; load_hf_weights names what is wrong
+        return tokenizer_vocab
     try:
         if (config.get("architectures") or [spec.hf.architecture])[0] != spec.hf.architecture:
             raise ValueError("another family")
