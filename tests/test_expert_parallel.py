@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from portatrain.errors import ConfigError
 from portatrain.models import get_spec
-from portatrain.models.common.moe import MoE
+from portatrain.models.common.moe import GroupedExperts, MoE
 from portatrain.parallel.parallel_dims import ParallelDims, layout_problems
 from tests.helpers import (
     TINY,
@@ -63,6 +63,15 @@ def test_ep_must_divide_the_dp_shard_ranks_given_or_inferred() -> None:
         ParallelDims(dp_replicate=1, dp_shard=4, tp=1, world_size=4, ep=3)
     dims = ParallelDims(dp_replicate=1, dp_shard=-1, tp=1, world_size=4, ep=2)
     assert dims.ep_enabled and "ep=2" in dims.describe()
+
+
+def test_the_capacity_experts_return_a_tensor_of_their_own_not_a_view() -> None:
+    """FSDP2 wraps ``GroupedExperts.batched`` as a forward method and warns on every rank when it
+    returns a view ("returned a view tensor ... wrong gradients", the expert-parallel bench's noise)."""
+    experts = GroupedExperts(n_experts=4, dim=8, hidden_dim=6)
+    experts.init_weights(0.02, 0.02)
+    out = experts.batched(torch.randn(4, 3, 8), torch.rand(4, 3))
+    assert out.shape == (4, 3, 8) and out._base is None
 
 
 def test_the_shared_plan_refuses_ep_over_a_dense_model_or_uneven_experts() -> None:

@@ -190,7 +190,10 @@ class GroupedExperts(nn.Module):
         if self.down_proj_bias is not None:  # an empty slot's weight is 0: its bias adds nothing
             bias = self.weight_view(self.down_proj_bias).to(out.dtype)
             out = out + bias[:, :, None] * weights[:, None, :].to(out.dtype)
-        return out.transpose(1, 2)
+        # Contiguous, not a transposed view: FSDP2 wraps this method (register_fsdp_forward_method)
+        # and warns on every rank about a view output (an in-place op on it would skip its
+        # pre-backward hook). Free: both callers reshape it at once, which copied it anyway.
+        return out.transpose(1, 2).contiguous()
 
 
 class ExpertExchange(Protocol):
