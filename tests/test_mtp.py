@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from portatrain.models.deepseek_v3 import DEEPSEEK_V3
 from portatrain.models.deepseek_v3 import hf as ds3_hf
 from portatrain.models.spec import RuntimeOptions
+from portatrain.validate import config_problems
+from tests.helpers import TINY, compose_config, fit, launch_runs, train_records
 
 TINY_ARGS = dict(
     dim=32, n_layers=2, vocab_size=40, max_seq_len=32, n_heads=2, n_kv_heads=2, mtp_loss_weight=0.3
@@ -126,6 +128,45 @@ def test_the_depth_is_the_published_layer_after_the_main_model() -> None:
     for key, value in ours.items():
         torch.testing.assert_close(back[key], value)
     assert ds3_hf.hf_config(model.args)["num_nextn_predict_layers"] == 1
+
+
+MTP_RUN = [
+    *TINY,
+    "model=deepseek_v3_debug",
+    "model.mtp_layers=2",
+    "trainer.steps=3",
+    "checkpoint.enabled=false",
+]
+
+
+@pytest.mark.slow
+def test_fsdp2_and_cp2_on_two_processes_match_one(tmp_path: Path) -> None:
+    """Two depths on packed 64-token rows (documents cross the context-parallel shards): FSDP2 (half
+    the global batch of 4 per rank) and context parallel (each rank two chunks of every row, reading
+    ahead into the other's) give one process's losses and gradient norms, MTP loss included."""
+    fit(MTP_RUN, tmp_path / "one")
+    runs = {
+        "fsdp2": [*MTP_RUN, "parallel.dp_shard=2", "data.batch_size=2"],
+        "cp2": [*MTP_RUN, "parallel.cp=2"],
+    }
+    dirs = launch_runs(2, runs, tmp_path, OMP_NUM_THREADS="1")
+    want = train_records(tmp_path / "one")
+    assert all(r["mtp_loss"] > 0 for r in want)
+    for name, run_dir in dirs.items():
+        got = train_records(run_dir)
+        assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3], name
+        for g, w in zip(got, want, strict=True):
+            assert g["loss"] == pytest.approx(w["loss"], abs=1e-5), (name, g, w)
+            assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), (name, g, w)
+
+
+def test_pipeline_parallel_with_mtp_is_one_line_naming_the_fix() -> None:
+    problems = config_problems(compose_config([*MTP_RUN, "parallel.pp=2", "model.tie_embeddings=false"]))
+    assert [p for p in problems if "mtp_layers" in p] == [
+        "parallel.pp=2: multi-token prediction (model.mtp_layers=2) is not split over pipeline stages yet "
+        "(its depths read the first stage's embedding on the last stage); set model.mtp_layers=0, or "
+        "parallel.pp=1 and shard with FSDP2 (parallel.dp_shard)"
+    ]
 
 
 def test_init_from_reads_the_depth_and_a_model_without_one_skips_it(tmp_path: Path) -> None:
