@@ -8,6 +8,7 @@ their ``data_files`` are relative to the repository root, so the tests that load
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -258,3 +259,19 @@ def test_a_lora_checkpoint_loads_with_its_adapters(tmp_path: Path) -> None:
         base = loaded.model.layers["0"].self_attn.q_proj
         assert base.lora_B.weight.abs().max() > 0  # trained adapters, not the zero-initialized ones
     assert torch.equal(ours, trained)
+
+
+def test_datasets_jax_announcement_is_dropped_and_nothing_else(caplog: pytest.LogCaptureFixture) -> None:
+    """``datasets`` logs "JAX version X available." at INFO when imported (every evaluation's first
+    import of it); the CLI drops that one line, and only that one."""
+    from portatrain.cli import _quiet_known_warnings
+
+    _quiet_known_warnings()
+    with caplog.at_level(logging.INFO, logger="datasets"):
+        logging.getLogger("datasets").info("JAX version 0.10.2 available.")
+        logging.getLogger("datasets").info("TensorFlow version 2.20.0 available.")
+        logging.getLogger("datasets").warning("JAX version 0.10.2 available, but broken")
+    assert [r.getMessage() for r in caplog.records] == [
+        "TensorFlow version 2.20.0 available.",
+        "JAX version 0.10.2 available, but broken",
+    ]

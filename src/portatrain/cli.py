@@ -16,6 +16,7 @@ traceback. A key the typed schema lacks is such an error too, naming the nearest
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import sys
 import warnings
@@ -298,6 +299,15 @@ def _quiet_known_warnings() -> None:
     # torchdata calls a deprecated torch API on every loader; DCP announces single-process saves.
     warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    # `datasets` (lm-eval's, imported by every evaluation) announces at INFO each optional framework
+    # it finds when imported (datasets/config.py): "JAX version 0.10.2 available." where JAX is
+    # installed, which portatrain never uses.
+    logging.getLogger("datasets").addFilter(_not_the_jax_announcement)
+
+
+def _not_the_jax_announcement(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not (message.startswith("JAX version ") and message.endswith(" available."))
 
 
 def _expand_shorthand(keys: dict[str, str], arg: str) -> str:
