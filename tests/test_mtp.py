@@ -190,3 +190,27 @@ def test_init_from_reads_the_depth_and_a_model_without_one_skips_it(tmp_path: Pa
         assert set(got) == {k for k in want if depth or not k.startswith("mtp.")}
         for key, value in got.items():
             torch.testing.assert_close(value, want[key], msg=key)
+
+
+def test_a_resume_adds_or_drops_the_depths(tmp_path: Path) -> None:
+    """Depths added on resume start fresh and depths dropped are not read; the main model resumes
+    exactly either way. With mtp_loss_weight=0 the depths do not touch the main model, so a run that
+    adds them at step 2 and drops them again at step 3 has the losses of one that never had them."""
+    base = [
+        *MTP_RUN[:-2],
+        "trainer.steps=4",
+        "trainer.eval_every=0",
+        "checkpoint.every=1",
+        "checkpoint.keep=0",
+    ]
+    plain = [o for o in base if not o.startswith("model.mtp_layers")]
+    fit(plain, tmp_path / "plain")
+    step = str(tmp_path / "{}/checkpoints/step_{:07d}")
+    fit([*base, "model.mtp_loss_weight=0", f"checkpoint.resume={step.format('plain', 2)}"], tmp_path / "add")
+    fit([*plain, f"checkpoint.resume={step.format('add', 3)}"], tmp_path / "drop")
+    want = {r["step"]: r["loss"] for r in train_records(tmp_path / "plain")}
+    added, dropped = train_records(tmp_path / "add"), train_records(tmp_path / "drop")
+    assert [r["step"] for r in added] == [3, 4] and all("mtp_loss" in r for r in added)
+    assert [r["step"] for r in dropped] == [4] and "mtp_loss" not in dropped[0]
+    for r in [*added, *dropped]:
+        assert r["loss"] == pytest.approx(want[r["step"]], abs=1e-6), (r, want)

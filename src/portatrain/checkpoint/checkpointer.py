@@ -350,7 +350,16 @@ class Checkpointer:
         has_base = "base" in state  # its frozen parameters are in the base it references
         options = trainable_options() if has_base else None
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-        check_shapes(path, metadata, model_sd)
+        # Parts a run may add or drop (the model's ``optional_state`` prefixes, e.g. multi-token
+        # prediction's depths): one the checkpoint lacks keeps its initialization and a fresh optimizer
+        # state; one only the checkpoint holds is not read.
+        optional = tuple(getattr(model, "optional_state", ()))
+        saved = {k.removeprefix("model.") for k in metadata.state_dict_metadata if k.startswith("model.")}
+        fresh = [k for k in model_sd if optional and k.startswith(optional) and k not in saved]
+        for key in fresh:
+            del model_sd[key]
+            optim_sd["state"].pop(key, None)
+        check_shapes(path, metadata, model_sd, optional)
         tensors: dict[str, Any] = {"model": model_sd, "optim": optim_sd["state"]}
         rng_key = f"rng.rank{rank}."
         if same_world and any(k.startswith(rng_key) for k in metadata.state_dict_metadata):
@@ -374,7 +383,7 @@ class Checkpointer:
                 optimizer,
                 model_state_dict=tensors["model"],
                 optim_state_dict={"state": tensors["optim"], "param_groups": groups},
-                options=StateDictOptions(strict=not has_base),
+                options=StateDictOptions(strict=not has_base and not fresh),
             )
         except CheckpointError:
             raise

@@ -132,12 +132,15 @@ def read_dataloader_file(path: Path, rank: int) -> dict[str, Any] | None:
     return None if value is None else check_json_digest(file, value, fix)
 
 
-def check_shapes(path: Path, metadata: Any, model_sd: Mapping[str, Any]) -> None:
-    """Compare the model's tensors with the checkpoint's; raise once listing every difference."""
+def check_shapes(
+    path: Path, metadata: Any, model_sd: Mapping[str, Any], optional: tuple[str, ...] = ()
+) -> None:
+    """Compare the model's tensors with the checkpoint's; raise once listing every difference.
+    Keys starting with an ``optional`` prefix may be in the checkpoint and not in the model."""
     saved = {
         k.removeprefix("model."): tuple(v.size)
         for k, v in metadata.state_dict_metadata.items()
-        if k.startswith("model.") and hasattr(v, "size")
+        if k.startswith("model.") and hasattr(v, "size") and not (optional and k[6:].startswith(optional))
     }
     ours = {k: tuple(v.shape) for k, v in model_sd.items()}
     if get_world_size() > 1:  # pipeline stages hold different layers: the model is all ranks' together

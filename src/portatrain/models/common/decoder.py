@@ -147,6 +147,10 @@ class Decoder(nn.Module):
     ``lm_head``) it returns the hidden states after its blocks.
     """
 
+    optional_state = ("mtp.",)
+    """State-dict prefixes a checkpoint may lack or hold in excess: multi-token prediction's depths,
+    which a resumed run may add (initialized afresh) or drop (``portatrain.checkpoint``)."""
+
     def __init__(self, args: Any) -> None:
         super().__init__()
         problems = args.problems()
