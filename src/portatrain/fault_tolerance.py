@@ -228,6 +228,30 @@ def tensor_only_transport(torchft: Any, timeout: timedelta) -> Any:
     return TensorOnlyHTTPTransport(timeout=timeout, num_chunks=0)
 
 
+TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits")
+"""torchft's Python loggers. ``torchft_quorums`` and ``torchft_commits`` log one record per step at
+INFO with an empty message, their fields in ``extra``, for torchft's OpenTelemetry export
+(torchft/manager.py, torchft/otel.py): on a console, one blank line per step."""
+
+
+def _quiet_torchft_logs(device_type: str) -> None:
+    """torchft at warning level unless a level was chosen (``RUST_LOG`` for its Rust part too):
+    portatrain logs each change of the quorum itself (``start_step``). Off CUDA, also the warning
+    that NCCL's flight recorder could not be reset, which torchft logs at every reconfiguration
+    wherever torch has no ``_reset_fr_recording_nccl``: the recorder traces NCCL collectives, and a
+    gloo group has none to trace."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    for name in TORCHFT_LOGGERS:
+        if logging.getLogger(name).level == logging.NOTSET:
+            logging.getLogger(name).setLevel(logging.WARNING)
+    if device_type != "cuda":
+        logging.getLogger("torchft.manager").addFilter(_not_the_flight_recorder_warning)
+
+
+def _not_the_flight_recorder_warning(record: logging.LogRecord) -> bool:
+    return "Unable to reset NCCL flight recorder" not in record.getMessage()
+
+
 class ReplicaGroups:
     """This process's part in the replica groups: torchft's Manager, its process group and the store.
 
@@ -250,11 +274,7 @@ class ReplicaGroups:
         broadcast: Callable[[Any], Any],
         step: int = 0,
     ) -> None:
-        # torchft logs every quorum and commit at INFO (its Rust part through RUST_LOG): warnings only,
-        # unless asked for; portatrain logs each change of the quorum itself (start_step).
-        os.environ.setdefault("RUST_LOG", "warn")
-        if logging.getLogger("torchft").level == logging.NOTSET:
-            logging.getLogger("torchft").setLevel(logging.WARNING)
+        _quiet_torchft_logs(device_type)
         torchft = import_torchft()
         from torch.distributed import TCPStore
 
