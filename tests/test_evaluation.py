@@ -119,6 +119,12 @@ def test_tasks_during_tensor_parallel_training_match_one_process_eval_of_its_che
     result = torchrun(2, [*TINY, "trainer.steps=2", *tasks, *layout, f"run_dir={run_dir}"], cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     (logged,) = [r for r in read_metrics(run_dir) if "eval/portatrain_tiny_choice/acc" in r]
+    shown = [
+        line
+        for line in (result.stdout + result.stderr).splitlines()
+        if "eval/portatrain_tiny_choice/acc " in line
+    ]
+    assert len(shown) == 1, shown  # the evaluation's results on screen once, by rank 0
 
     out = tmp_path / "one.json"
     args = [

@@ -300,7 +300,7 @@ class Trainer:
         from portatrain.evaluation.model import evaluate_model_tasks
 
         args = (self.model, self.tokenizer, self.eval_task_names, self.cfg.eval, self.runtime)
-        return evaluate_model_tasks(*args, step=self.step)
+        return evaluate_model_tasks(*args)
 
     def warmup(self) -> list[dict[str, Any]]:
         """Compile every shape of ``batch_shapes(cfg.data)`` before step 1 and arm the recompile guard

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -24,8 +23,6 @@ import torch
 from torch import nn
 
 from portatrain.config import Config, EvalConfig, LoraConfig
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -147,11 +144,11 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
 
 
 def evaluate_model_tasks(
-    model: nn.Module, tokenizer: Any, names: list[str], settings: EvalConfig, runtime: Any, *, step: int
+    model: nn.Module, tokenizer: Any, names: list[str], settings: EvalConfig, runtime: Any
 ) -> dict[str, float]:
     """lm-eval's ``names`` on ``model`` as it is, between training steps (the Trainer's
     ``evaluate_tasks``): every rank takes part, each over every request; the metrics come back on local
-    rank 0 (``{}`` elsewhere), logged there; the random states are left as they were. ``runtime`` is
+    rank 0 (``{}`` elsewhere); the random states are left as they were. ``runtime`` is
     the run's :class:`~portatrain.train.runtime.Runtime`."""
     from portatrain.evaluation import flat_metrics, run_tasks
 
@@ -168,7 +165,4 @@ def evaluate_model_tasks(
     with eval_mode(model):
         results = run_tasks(lm, names, settings, bootstrap_iters=0, quiet=True)
     runtime.accelerator.set_rng_state(rng)
-    metrics = flat_metrics(results)
-    if runtime.dist.is_main:
-        logger.info("step %d: %s", step, "  ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
-    return metrics
+    return flat_metrics(results)  # shown on screen with the step's other results (train/progress.py)
