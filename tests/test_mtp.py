@@ -89,6 +89,17 @@ def test_mtp_loss_in_bf16_is_the_fp32_loss_within_bf16_rounding() -> None:
     assert losses[1] != losses[0]  # the matmuls did run in bf16
 
 
+def test_the_counts_include_the_depths() -> None:
+    """Parameters: the built model's; FLOPs per token: the depths' weights, their pass through the
+    shared head and their attention (QK^T over head_dim, AV over v_head_dim), 6 FLOPs per multiply-add."""
+    with_depth, without = _model(depth=1), _model(depth=0)
+    a, b = with_depth.args, without.args
+    assert a.num_params() == with_depth.num_params() > b.num_params() == without.num_params()
+    extra = a.num_params(active=True) - b.num_params(active=True) + a.vocab_size * a.dim
+    attention = 6 * a.n_heads * (a.head_dim + a.v_head_dim) * 64
+    assert a.flops_per_token(64) - b.flops_per_token(64) == 6 * extra + attention
+
+
 def test_read_ahead_targets_stop_at_document_boundaries_and_the_row_end() -> None:
     from portatrain.models.common.mtp import mtp_targets
 

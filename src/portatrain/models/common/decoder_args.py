@@ -197,7 +197,8 @@ class DecoderArgs:
         embedding = self.vocab_size * self.dim
         output = 0 if self.tie_embeddings else self.vocab_size * self.dim
         blocks = sum(
-            self.attention_params + self.mlp_params(i, active=active) for i in range(self.n_layers + self.mtp_layers)
+            self.attention_params + self.mlp_params(i, active=active)
+            for i in range(self.n_layers + self.mtp_layers)
         )
         # A multi-token-prediction depth adds its three norms and eh_proj to its block (embedding and head shared).
         mtp = self.mtp_layers * (3 * self.dim + 2 * self.dim * self.dim)
@@ -222,7 +223,10 @@ class DecoderArgs:
         matmul_params = self.num_params(exclude_embedding=True, active=True)
         if self.tie_embeddings:
             matmul_params += self.vocab_size * self.dim
-        return 6 * matmul_params + 12 * self.n_layers * self.q_dim * seq_len
+        # Multi-token prediction: each depth's block and eh_proj are in the count; its pass through the
+        # shared output head and its attention are added here.
+        matmul_params += self.mtp_layers * self.vocab_size * self.dim
+        return 6 * matmul_params + 12 * (self.n_layers + self.mtp_layers) * self.q_dim * seq_len
 
 
 class DerivedHeadDim:

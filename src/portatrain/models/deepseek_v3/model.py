@@ -134,8 +134,9 @@ class DeepseekV3Args(DecoderArgs):
     def flops_per_token(self, seq_len: int) -> int:
         """:meth:`DecoderArgs.flops_per_token` with attention's two matmuls at their own widths:
         ``QK^T`` over ``head_dim``, ``AV`` over ``v_head_dim``."""
-        dense = super().flops_per_token(seq_len) - 12 * self.n_layers * self.q_dim * seq_len
-        return dense + 6 * self.n_layers * self.n_heads * (self.head_dim + self.v_head_dim) * seq_len
+        blocks = self.n_layers + self.mtp_layers
+        dense = super().flops_per_token(seq_len) - 12 * blocks * self.q_dim * seq_len
+        return dense + 6 * blocks * self.n_heads * (self.head_dim + self.v_head_dim) * seq_len
 
     def family_problems(self) -> list[str]:
         problems = [
