@@ -151,14 +151,17 @@ MTP_RUN = [
 
 
 @pytest.mark.slow
-def test_fsdp2_and_cp2_on_two_processes_match_one(tmp_path: Path) -> None:
+def test_fsdp2_cp2_and_ep2_on_two_processes_match_one(tmp_path: Path) -> None:
     """Two depths on packed 64-token rows (documents cross the context-parallel shards): FSDP2 (half
-    the global batch of 4 per rank) and context parallel (each rank two chunks of every row, reading
-    ahead into the other's) give one process's losses and gradient norms, MTP loss included."""
+    the global batch of 4 per rank), context parallel (each rank two chunks of every row, reading
+    ahead into the other's) and expert parallel (4 of the 8 experts per rank, the depths' too) give one
+    process's losses and gradient norms, MTP loss included."""
     fit(MTP_RUN, tmp_path / "one")
     runs = {
         "fsdp2": [*MTP_RUN, "parallel.dp_shard=2", "data.batch_size=2"],
         "cp2": [*MTP_RUN, "parallel.cp=2"],
+        # the depths' mixture of experts split over the ranks with the main blocks'
+        "ep2": [*MTP_RUN, "parallel.dp_shard=2", "parallel.ep=2", "data.batch_size=2"],
     }
     dirs = launch_runs(2, runs, tmp_path, OMP_NUM_THREADS="1")
     want = train_records(tmp_path / "one")
