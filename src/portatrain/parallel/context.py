@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -124,6 +123,10 @@ class ShardedAttention:
             else:
                 # The queries are the last c of the end keys' positions: bottom-right causal, which
                 # CUDA's fused kernels apply without a mask tensor.
+                # Imported here: torch.nn.attention.bias imports torch._dynamo (~1 s), which
+                # `import portatrain` (a dry run, `plan`, `render`) otherwise pays for nothing.
+                from torch.nn.attention.bias import causal_lower_right
+
                 mask = causal_lower_right(c, end)
                 out = F.scaled_dot_product_attention(qi, kj, vj, attn_mask=mask, scale=scale)
             outs.append(out)
