@@ -281,3 +281,30 @@ def test_datasets_jax_announcement_is_dropped_and_nothing_else(caplog: pytest.Lo
         "TensorFlow version 2.20.0 available.",
         "JAX version 0.10.2 available, but broken",
     ]
+
+
+@pytest.mark.parametrize(
+    ("rank", "quiet", "level"),
+    [(0, False, logging.NOTSET), (0, True, logging.WARNING), (1, False, logging.WARNING)],
+)
+def test_lm_eval_logs_warnings_only_on_ranks_but_0_and_when_quiet(
+    monkeypatch: pytest.MonkeyPatch, rank: int, quiet: bool, level: int
+) -> None:
+    """Every rank runs the same requests (``portatrain.evaluation.lm``): lm-eval's progress is
+    logged by rank 0 alone, and between training steps (``quiet``) by none."""
+    import lm_eval
+
+    from portatrain.config import EvalConfig
+    from portatrain.evaluation import tasks
+
+    seen = []
+    monkeypatch.setattr(
+        lm_eval, "simple_evaluate", lambda **kw: seen.append(logging.getLogger("lm_eval").level)
+    )
+    monkeypatch.setattr(tasks, "task_manager", lambda names, include: None)
+    monkeypatch.setattr(tasks.dist, "is_initialized", lambda: rank is not None)
+    monkeypatch.setattr(tasks.dist, "get_rank", lambda: rank)
+    before = logging.getLogger("lm_eval").level
+    tasks.run_tasks(object(), ["t"], EvalConfig(), quiet=quiet)
+    assert seen == [level if level != logging.NOTSET else before]
+    assert logging.getLogger("lm_eval").level == before  # restored

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from portatrain.config import CompileConfig, EvalConfig, TrainerConfig
 
@@ -225,12 +226,14 @@ def run_tasks(
 ) -> dict | None:
     """Run lm-eval tasks ``names`` on ``lm``; lm-eval's results dict (``results``, ``configs``...) on
     the process with ``LOCAL_RANK`` 0, None on the others (which run the same forwards: lm-eval
-    aggregates on one process per host). ``quiet``: lm-eval logs warnings only (between training steps)."""
+    aggregates on one process per host). ``quiet``: lm-eval logs warnings only (between training
+    steps); so it does on every rank but 0 of a process group (every rank runs the same requests,
+    and each would print lm-eval's progress once more)."""
     from lm_eval import simple_evaluate
 
     lm_eval_logger = logging.getLogger("lm_eval")
     level = lm_eval_logger.level
-    if quiet:
+    if quiet or (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
         lm_eval_logger.setLevel(logging.WARNING)
     with preserved_random_state():
         try:
