@@ -19,14 +19,22 @@ and weight decay carry over -- Moonlight, "Muon is Scalable for LLM Training",
 https://arxiv.org/abs/2502.16982, section 2.2). A one-process step with the same split is
 ``torch.optim.Muon`` plus ``torch.optim.AdamW`` to the bit (``tests/test_muon.py``).
 
-**Distributed.** Newton-Schulz needs the whole matrix. A DTensor whose placements shard a matrix
-dimension (FSDP2's ``Shard(0)``, TP's ``Shard(0)`` or ``Shard(1)``, FSDP2's ``Shard(1)`` of experts
-split finer than experts) is gathered over those mesh dimensions only, in bf16 (the precision
-Newton-Schulz runs in: half the bytes of fp32, the same result), orthogonalized whole on every rank,
-and each rank keeps its own slice (a local slice, no communication). Shards of a leading dimension
-(expert parallel's and FSDP2's ``Shard(0)`` of ``[experts, out, in]``) hold whole matrices and are
-orthogonalized where they are. Pipeline stages each hold their own parameters: nothing to do.
-``scripts/bench_muon.py`` measures the step and the bytes gathered against the analytic amount.
+**Distributed.** Newton-Schulz needs the whole matrix. Shards of a leading dimension (expert
+parallel's and FSDP2's ``Shard(0)`` of ``[experts, out, in]``) hold whole matrices and are
+orthogonalized where they are. A matrix whose dimension one mesh dimension shards (FSDP2's or TP's
+``Shard(0)``, TP's ``Shard(1)``, FSDP2's ``Shard(1)`` of experts split finer than experts) goes round
+robin (:func:`orthogonalize_round_robin`, the default): each matrix gets one owner rank of that mesh
+dimension (the largest matrices first, each to the least-loaded rank), one all-to-all sends every
+shard to its owner, the owner alone orthogonalizes the whole matrix, and a second all-to-all returns
+each rank its slice -- the layer sharding of Essential AI (https://essential.ai/blog/muon-layer-sharding)
+and microsoft/dion's ``dion/muon.py``. Against the gather (``sharded="gather"``: an all-gather over
+the sharding mesh dimensions, every rank orthogonalizing every matrix, Moonlight's "Distributed Muon",
+https://arxiv.org/abs/2502.16982 section 2.3) it does ``1 / world`` of the Newton-Schulz work per rank
+and moves ``2 / world`` of the bytes, with the same result to the bit (the owner runs the same ops on
+the same whole matrix). What round robin does not cover -- a matrix dimension split over two mesh
+dimensions (FSDP2 over TP, ``_StridedShard``) -- is gathered. Both move the update in ``ns_dtype``
+(Newton-Schulz casts to it first: bf16 halves fp32's bytes, the same result). Pipeline stages each
+hold their own parameters: nothing to do. ``scripts/bench_muon.py`` measures both.
 """
 
 from __future__ import annotations
@@ -48,6 +56,9 @@ at the price of singular values left anywhere in about [0.5, 1.5] after five ste
 (``torch/optim/_muon.py``'s docstring: it does not hurt training)."""
 ADJUST_LR = ("original", "match_rms_adamw")
 """Allowed values of ``optim.muon.adjust_lr`` (``torch.optim.Muon``'s ``adjust_lr_fn``)."""
+SHARDED = ("round_robin", "gather")
+"""How :class:`Muon` orthogonalizes a matrix sharded over ranks (see the module docstring); round robin
+was the faster in ``scripts/bench_muon.py`` (docs/optimizers.md), the gather stays for comparison."""
 
 
 def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -101,11 +112,12 @@ def orthogonalize(
     eps: float = 1e-7,
     dtype: torch.dtype = torch.bfloat16,
     *,
-    on_gather: Callable[[int], None] | None = None,
+    on_receive: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """Newton-Schulz of each matrix of ``update`` (its last two dimensions), in ``dtype``; a DTensor comes
-    back a DTensor of the same layout (see the module docstring). ``on_gather(bytes)`` is told what
-    each gather receives on this rank (the benchmark counts it)."""
+    back a DTensor of the same layout, its sharded matrices gathered whole on every rank (see the
+    module docstring). ``on_receive(bytes)`` is told what the gather receives on this rank (the
+    benchmark counts it)."""
     if not hasattr(update, "to_local"):
         return _newton_schulz(update, coefficients, steps, eps, dtype)
     from torch.distributed.tensor import DTensor, Replicate
@@ -123,14 +135,153 @@ def orthogonalize(
     # Gather in Newton-Schulz's dtype: it casts to it first anyway, so the result is the same (bf16:
     # half fp32's bytes).
     gathered = update.to(dtype).redistribute(update.device_mesh, whole)
-    if on_gather is not None:
+    if on_receive is not None:
         local = gathered.to_local()
-        on_gather((local.numel() - update.to_local().numel()) * local.element_size())
+        on_receive((local.numel() - update.to_local().numel()) * local.element_size())
     result = _newton_schulz(gathered.to_local(), coefficients, steps, eps, dtype)
     # Replicate -> Shard is a local slice: no communication.
     return DTensor.from_local(result, update.device_mesh, whole, run_check=False).redistribute(
         update.device_mesh, placements
     )
+
+
+def round_robin_dim(update: torch.Tensor) -> tuple[int, int] | None:
+    """``(mesh dimension, tensor dimension)`` where one mesh dimension alone splits one of ``update``'s
+    matrix dimensions with a plain ``Shard`` -- what :func:`orthogonalize_round_robin` takes; None for
+    anything else (a plain tensor, whole local matrices, a dimension split over two mesh dimensions)."""
+    if not hasattr(update, "to_local"):
+        return None
+    from torch.distributed.tensor import Shard
+
+    matrix_dims = (update.ndim - 2, update.ndim - 1)
+    split = [(i, p) for i, p in enumerate(update.placements) if getattr(p, "dim", None) in matrix_dims]
+    if len(split) != 1 or type(split[0][1]) is not Shard:  # _StridedShard: FSDP2 over a TP shard
+        return None
+    mesh_dim, placement = split[0]
+    return mesh_dim, placement.dim
+
+
+def assign_owners(costs: list[int], world: int) -> list[int]:
+    """The owner rank of each matrix: the costliest first, each to the least-loaded rank so far (the
+    lowest on a tie) -- greedy longest-processing-time scheduling, the same on every rank since it
+    reads shapes only."""
+    load, owners = [0] * world, [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        owner = min(range(world), key=load.__getitem__)
+        owners[i] = owner
+        load[owner] += costs[i]
+    return owners
+
+
+def _newton_schulz_cost(shape: torch.Size) -> int:
+    """Multiply-adds of one Newton-Schulz iteration on ``shape``: ``X X^T`` and ``(B) X`` are
+    ``m * m * n`` each and ``B = b A + c A A`` is ``m^3``, for ``m <= n`` (times any leading experts)."""
+    small, large = sorted(shape[-2:])
+    return math.prod(shape[:-2]) * (2 * small * small * large + small**3)
+
+
+def _shard_sizes(size: int, world: int) -> list[int]:
+    """Each rank's length of a dimension of ``size`` split by ``Shard`` over ``world`` ranks (DTensor
+    splits like ``torch.chunk``: ``ceil(size / world)`` each, the last ones short or empty)."""
+    chunk = -(-size // world)
+    return [max(0, min(size, (rank + 1) * chunk) - rank * chunk) for rank in range(world)]
+
+
+def _all_to_all(
+    send: list[list[torch.Tensor]], receive: list[int], like: torch.Tensor, group: Any
+) -> list[torch.Tensor]:
+    """``send[rank]``'s tensors, flattened, to each rank; back, what each rank sent here (``receive``:
+    its element counts) as one flat tensor a rank."""
+    import torch.distributed as dist
+
+    flat = [torch.cat([t.reshape(-1) for t in tensors]) if tensors else like.new_empty(0) for tensors in send]
+    out = like.new_empty(sum(receive))
+    dist.all_to_all_single(out, torch.cat(flat), receive, [t.numel() for t in flat], group=group)
+    return list(out.split(receive))
+
+
+def orthogonalize_round_robin(
+    updates: list[torch.Tensor],
+    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    steps: int = 5,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    on_receive: Callable[[int], None] | None = None,
+) -> list[torch.Tensor]:
+    """:func:`orthogonalize` of each of ``updates`` (DTensors that :func:`round_robin_dim` accepts), the
+    same result to the bit, each whole matrix orthogonalized on one rank only (see the module
+    docstring). Every rank of a sharding group must call it with the same matrices in the same order.
+    ``on_receive(bytes)`` is told what the two all-to-alls bring this rank from the others."""
+    from torch.distributed.tensor import DTensor
+
+    batches: dict[Any, list[int]] = {}  # matrices sharded over the same process group go together
+    for i, update in enumerate(updates):
+        mesh_dim, _ = round_robin_dim(update)
+        batches.setdefault(update.device_mesh.get_group(mesh_dim), []).append(i)
+    results = list(updates)
+    for group, indices in batches.items():
+        batch = [updates[i] for i in indices]
+        locals_ = _round_robin(batch, group, (coefficients, steps, eps, dtype), on_receive)
+        for i, update, local in zip(indices, batch, locals_):
+            results[i] = DTensor.from_local(
+                local,
+                update.device_mesh,
+                update.placements,
+                run_check=False,
+                shape=update.shape,
+                stride=update.stride(),
+            )
+    return results
+
+
+def _round_robin(
+    batch: list[torch.Tensor], group: Any, newton_schulz: tuple, on_receive: Callable[[int], None] | None
+) -> list[torch.Tensor]:
+    """The local slices of the orthogonalized ``batch``, each matrix gathered to and orthogonalized by
+    its owner in ``group`` (:func:`orthogonalize_round_robin`)."""
+    import torch.distributed as dist
+
+    dtype = newton_schulz[3]
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    locals_ = [u.to_local().to(dtype) for u in batch]
+    dims = [round_robin_dim(u)[1] for u in batch]
+    sizes = [_shard_sizes(u.size(d), world) for u, d in zip(batch, dims)]
+    owners = assign_owners([_newton_schulz_cost(u.shape) for u in batch], world)
+    mine = [i for i, owner in enumerate(owners) if owner == rank]
+
+    def shape_on(i: int, source: int) -> list[int]:  # matrix i's shard on rank `source`
+        shape = list(locals_[i].shape)
+        shape[dims[i]] = sizes[i][source]
+        return shape
+
+    # 1. Every shard to its matrix's owner.
+    send = [[t for t, owner in zip(locals_, owners) if owner == dest] for dest in range(world)]
+    receive = [sum(math.prod(shape_on(i, source)) for i in mine) for source in range(world)]
+    pieces: dict[int, list[torch.Tensor]] = {i: [] for i in mine}
+    for source, flat in enumerate(_all_to_all(send, receive, locals_[0], group)):
+        counts = [math.prod(shape_on(i, source)) for i in mine]
+        for i, piece in zip(mine, flat.split(counts)):
+            pieces[i].append(piece.view(shape_on(i, source)))
+    whole = {i: _newton_schulz(torch.cat(pieces[i], dims[i]), *newton_schulz) for i in mine}
+    # 2. Each rank its slice of every result (slicing a whole matrix is what a Replicate -> Shard
+    # redistribute does too).
+    send = [[whole[i].split(sizes[i], dims[i])[dest] for i in mine] for dest in range(world)]
+    receive = [sum(locals_[i].numel() for i, owner in enumerate(owners) if owner == o) for o in range(world)]
+    back = _all_to_all(send, receive, locals_[0], group)
+    out: list[torch.Tensor] = [locals_[0]] * len(batch)
+    for owner, flat in enumerate(back):
+        owned = [i for i, o in enumerate(owners) if o == owner]
+        for i, piece in zip(owned, flat.split([locals_[i].numel() for i in owned])):
+            out[i] = piece.view(locals_[i].shape)
+    if on_receive is not None:  # what came from the other ranks (a rank's own part never moves)
+        from_others = (
+            sum(receive)
+            - receive[rank]
+            + sum(math.prod(shape_on(i, s)) for i in mine for s in range(world) if s != rank)
+        )
+        on_receive(from_others * locals_[0].element_size())
+    return out
 
 
 def adjusted_lr(lr: float, adjust_lr: str, shape: torch.Size) -> float:
@@ -164,7 +315,12 @@ class Muon(torch.optim.Optimizer):
         eps: float = 1e-8,
         fused: bool | None = None,
         foreach: bool | None = None,
+        sharded: str = "round_robin",
     ) -> None:
+        if sharded not in SHARDED:
+            raise ValueError(f"Muon's sharded={sharded!r} is not one of {', '.join(SHARDED)}")
+        self.sharded = sharded
+        """How a sharded matrix is orthogonalized (:data:`SHARDED`); not state: a checkpoint resumes under either."""
         self._algorithm_defaults = {
             "muon": {
                 "momentum": momentum,
@@ -178,8 +334,9 @@ class Muon(torch.optim.Optimizer):
             "adamw": {"betas": tuple(betas), "eps": eps, "fused": fused, "foreach": foreach},
         }
         super().__init__(list(params), {"lr": lr, "weight_decay": weight_decay})
-        self.on_gather: Callable[[int], None] | None = None
-        """Told the bytes each gather of a sharded matrix receives on this rank (``scripts/bench_muon.py``)."""
+        self.on_receive: Callable[[int], None] | None = None
+        """Told the bytes each gather or round robin of sharded matrices brings this rank
+        (``scripts/bench_muon.py``)."""
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         algorithm = param_group.get("algorithm")
@@ -210,6 +367,18 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict[str, Any]) -> None:
         lr, weight_decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
+        newton_schulz = (
+            tuple(group["ns_coefficients"]),
+            group["ns_steps"],
+            group["ns_eps"],
+            dtype_from_name(group["ns_dtype"]),  # a name: param groups are saved as JSON
+        )
+
+        def apply(p: torch.Tensor, update: torch.Tensor) -> None:
+            p.mul_(1 - lr * weight_decay)
+            p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape))
+
+        round_robin: list[tuple[torch.Tensor, torch.Tensor]] = []
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -219,16 +388,16 @@ class Muon(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(grad, 1 - momentum)
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-            update = orthogonalize(
-                update,
-                tuple(group["ns_coefficients"]),
-                group["ns_steps"],
-                group["ns_eps"],
-                dtype_from_name(group["ns_dtype"]),  # a name: param groups are saved as JSON
-                on_gather=self.on_gather,
-            )
-            p.mul_(1 - lr * weight_decay)
-            p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape))
+            if self.sharded == "round_robin" and round_robin_dim(update) is not None:
+                round_robin.append((p, update))  # after the loop: one pair of all-to-alls for all
+            else:
+                apply(p, orthogonalize(update, *newton_schulz, on_receive=self.on_receive))
+        if round_robin:
+            updates = [u for _, u in round_robin]
+            for (p, _), update in zip(
+                round_robin, orthogonalize_round_robin(updates, *newton_schulz, on_receive=self.on_receive)
+            ):
+                apply(p, update)
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
