@@ -131,7 +131,9 @@ class Trainer:
         built = build_model_stage(
             self.runtime,
             self.spec,
-            runtime_options(cfg.model, self.runtime, grad_accum=cfg.trainer.grad_accum),
+            runtime_options(
+                cfg.model, self.runtime, grad_accum=cfg.trainer.grad_accum, qk_clip=cfg.optim.qk_clip
+            ),
             construct=self.build_model,
             parallelize=self.parallelize,
             materialize=self._materialize,

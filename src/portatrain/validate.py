@@ -29,6 +29,7 @@ from portatrain.launch import shape_problems
 from portatrain.losses import loss_problems
 from portatrain.metrics import metrics_problems
 from portatrain.models import get_spec, model_args, model_problems
+from portatrain.models.common.qk_clip import qk_clip_problems
 from portatrain.optim import optim_problems
 from portatrain.parallel.activation_checkpoint import AC_MODES
 from portatrain.parallel.parallel_dims import expected_world_size, parallel_problems
@@ -134,6 +135,8 @@ def _cross_stage_problems(cfg: Config) -> list[str]:
         )
     if args is not None:  # the layouts the family's parallel plan cannot apply
         problems += get_spec(cfg.model.name).parallel_problems(cfg.parallel, args)
+    lora = cfg.finetune.method == "lora" or (cfg.finetune.method == "dpo" and cfg.finetune.dpo.lora)
+    problems += qk_clip_problems(cfg.optim.qk_clip, cfg.parallel, args, lora=lora)
     problems += pipeline_problems(
         cfg.parallel,
         n_layers=None if args is None else args.n_layers,

@@ -176,6 +176,11 @@ class OptimConfig:
     """Use the fused AdamW kernel; default: the accelerator adapter decides."""
     muon: MuonConfig = field(default_factory=MuonConfig)
     """Muon's settings (used when ``name=muon``)."""
+    qk_clip: float | None = None
+    """QK-clip's threshold tau (MuonClip, Kimi K2 report https://arxiv.org/abs/2507.20534, section 2.1:
+    tau = 100 there): after each step, the query/key projections of every head whose largest attention
+    logit of the step passed tau are scaled so that it is tau; null or 0: off. Any ``name``; see
+    ``portatrain.models.common.qk_clip``."""
 
 
 @dataclass

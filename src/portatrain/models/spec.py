@@ -73,6 +73,10 @@ class RuntimeOptions:
     """Sums statistics over the ranks that see different tokens (data and context parallel), or None."""
     supports_grouped_mm: Callable[[torch.dtype], bool] | None = None
     """The accelerator adapter's answer: whether ``torch._grouped_mm`` runs natively in a dtype."""
+    qk_clip: float | None = None
+    """``optim.qk_clip``'s threshold in training (None or 0: off)."""
+    reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """The maximum over the ranks that see different tokens (data and context parallel), or None."""
 
 
 class ModelRuntime(Protocol):

@@ -42,6 +42,8 @@ def optim_problems(cfg: OptimConfig) -> list[str]:
         problems.append(f"optim.lr={cfg.lr} must be > 0 and optim.warmup_steps={cfg.warmup_steps} >= 0")
     if len(cfg.betas) != 2:
         problems.append(f"optim.betas={list(cfg.betas)} must have two values, e.g. [0.9, 0.95]")
+    if cfg.qk_clip is not None and cfg.qk_clip < 0:
+        problems.append(f"optim.qk_clip={cfg.qk_clip} must be > 0 (the report's: 100), or null (0) for off")
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:
         problems.append(f"optim.min_lr_ratio={cfg.min_lr_ratio} must be in [0, 1] (a fraction of optim.lr)")
     return problems

@@ -21,7 +21,13 @@ from portatrain.config import ParallelConfig
 from portatrain.dtypes import dtype_from_name
 from portatrain.parallel.parallel_dims import ParallelDims, expected_world_size
 from portatrain.parallel.pipeline import build_pipeline
-from portatrain.parallel.utils import clip_grad_norm_, dp_all_reduce, full_tensor_init, token_all_reduce
+from portatrain.parallel.utils import (
+    clip_grad_norm_,
+    dp_all_reduce,
+    full_tensor_init,
+    token_all_max,
+    token_all_reduce,
+)
 
 __all__ = [
     "ParallelDims",
@@ -31,6 +37,7 @@ __all__ = [
     "expected_world_size",
     "full_tensor_init",
     "parallelize_model",
+    "token_all_max",
     "token_all_reduce",
 ]
 

@@ -169,9 +169,15 @@ def token_all_reduce(value: torch.Tensor, parallel_dims: ParallelDims | None) ->
     return _all_reduce(value, None if parallel_dims is None else parallel_dims.loss_mesh, "sum")
 
 
+def token_all_max(value: torch.Tensor, parallel_dims: ParallelDims | None) -> torch.Tensor:
+    """Maximum of ``value`` over the same ranks as :func:`token_all_reduce` (QK-clip's logits)."""
+    return _all_reduce(value, None if parallel_dims is None else parallel_dims.loss_mesh, "max")
+
+
 def _all_reduce(value: torch.Tensor, mesh: Any, op: str) -> torch.Tensor:
     if mesh is None or mesh.size() == 1:
         return value
     out = value.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=mesh.get_group())
+    reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+    dist.all_reduce(out, op=reduce_op, group=mesh.get_group())
     return out / mesh.size() if op == "mean" else out

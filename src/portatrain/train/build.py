@@ -32,7 +32,7 @@ from portatrain.kernels import KernelSet
 from portatrain.kernels import apply as apply_kernels
 from portatrain.models import SPECS, moe_dispatch
 from portatrain.models.spec import ModelRuntime, ModelSpec, RuntimeOptions
-from portatrain.parallel import build_pipeline, full_tensor_init, token_all_reduce
+from portatrain.parallel import build_pipeline, full_tensor_init, token_all_max, token_all_reduce
 from portatrain.parallel.pipeline import Pipeline
 from portatrain.train.runtime import Runtime
 
@@ -52,11 +52,14 @@ class BuiltModel:
     as the converters change it: LoRA's frozen base), or None."""
 
 
-def runtime_options(model_cfg: ModelConfig, runtime: Runtime, *, grad_accum: int) -> RuntimeOptions:
+def runtime_options(
+    model_cfg: ModelConfig, runtime: Runtime, *, grad_accum: int, qk_clip: float | None = None
+) -> RuntimeOptions:
     """What the family's runtime hooks get: the device's dispatch (``model.moe_dispatch=auto``:
     fixed-capacity slots where the compiler wants static shapes), an auxiliary loss over the global batch
     (statistics summed over the ranks that see different tokens) weighted as a mean over the step's
-    ``grad_accum`` micro-batches (0: evaluation, no auxiliary loss)."""
+    ``grad_accum`` micro-batches (0: evaluation, no auxiliary loss), and ``optim.qk_clip`` in training
+    (its logits' maximum taken over the same ranks)."""
     dims = runtime.parallel_dims
     spread = dims.dp > 1 or runtime.context_parallel is not None
     return RuntimeOptions(
@@ -65,6 +68,8 @@ def runtime_options(model_cfg: ModelConfig, runtime: Runtime, *, grad_accum: int
         aux_loss_scale=1.0 / grad_accum if grad_accum else 0.0,
         reduce_stats=partial(token_all_reduce, parallel_dims=dims) if spread and grad_accum else None,
         supports_grouped_mm=runtime.accelerator.supports_grouped_mm,
+        qk_clip=qk_clip if grad_accum else None,
+        reduce_max=partial(token_all_max, parallel_dims=dims) if spread else None,
     )
 
 

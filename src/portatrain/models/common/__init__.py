@@ -4,6 +4,8 @@ into its :class:`~portatrain.models.spec.ModelSpec`.
 * ``rope.py`` -- RoPE tables (plain, Llama 3.1 scaling, YaRN);
 * ``mla.py`` -- multi-head latent attention (DeepSeek-V2/V3);
 * ``mtp.py`` -- multi-token prediction's depths, read-ahead targets and loss hooks (DeepSeek-V3);
+* ``qk_clip.py`` -- QK-clip (``optim.qk_clip``): each head's largest attention logit, measured in the
+  forward, caps its query/key projections after the step (Kimi K2's MuonClip);
 * ``layers.py`` -- RMSNorm, SwiGLU feed-forward, grouped-query attention with a q/k-norm kind, and
   the kernel slots (``rmsnorm_fn``, ``swiglu_fn``, ``rope_fn``);
 * ``decoder.py`` -- the arguments mixin (shape problems, parameter count, FLOPs), the block with its
@@ -38,13 +40,19 @@ def parallelize(model: nn.Module, parallel_dims: Any, **options: Any) -> nn.Modu
 
 
 def runtime(model: nn.Module, options: RuntimeOptions) -> ModelRuntime:
-    """The shared decoder's hooks around the step: its mixture-of-experts layers' (none: no-ops), and
-    multi-token prediction's when the model has depths of it (``mtp.py``)."""
+    """The shared decoder's hooks around the step: its mixture-of-experts layers' (none: no-ops),
+    multi-token prediction's when the model has depths of it (``mtp.py``), QK-clip's when
+    ``optim.qk_clip`` is on (``qk_clip.py``)."""
     from portatrain.models.common.moe import MoERuntime
     from portatrain.models.common.mtp import MTPRuntime
+    from portatrain.models.common.qk_clip import QKClipRuntime
 
-    hooks = MoERuntime(model, options)
-    return MTPRuntime(model, hooks) if getattr(model, "mtp", None) is not None else hooks
+    hooks: ModelRuntime = MoERuntime(model, options)
+    if getattr(model, "mtp", None) is not None:
+        hooks = MTPRuntime(model, hooks)
+    if options.qk_clip:
+        hooks = QKClipRuntime(model, hooks, options.qk_clip, options.reduce_max)
+    return hooks
 
 
 def layout_problems(parallel: Any, args: Any) -> list[str]:

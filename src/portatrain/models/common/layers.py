@@ -152,6 +152,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(n_kv_heads * head_dim, norm_eps, unit_offset=norm_unit_offset)
         self.sinks = nn.Parameter(torch.empty(n_heads)) if sinks else None
         self.rope_fn = rope  # x * cos + rotate_half(x) * sin, unless a kernel override replaces it
+        self.qk_clip = None  # optim.qk_clip: the logits' running max (portatrain.models.common.qk_clip)
 
     def init_weights(self, std: float, out_std: float) -> None:
         for linear in (self.q_proj, self.k_proj, self.v_proj):
@@ -182,6 +183,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = self.rope_fn(q, cos, sin), self.rope_fn(k, cos, sin)
+        if self.qk_clip is not None:
+            self.qk_clip.observe(q, k, attn_mask, self.softmax_scale)
         # SDPA scales by 1/sqrt(q.shape[-1]) = 1/sqrt(head_dim) unless told otherwise, as HF does.
         if self.sinks is None:
             out = causal_attention(q, k, v, attn_mask, self.softmax_scale)

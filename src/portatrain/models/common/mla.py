@@ -76,6 +76,7 @@ class LatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.o_proj = nn.Linear(n_heads * v_head_dim, dim, bias=False)
         self.rope_fn = rope  # x * cos + rotate_half(x) * sin, unless a kernel override replaces it
+        self.qk_clip = None  # optim.qk_clip: the logits' running max (portatrain.models.common.qk_clip)
 
     def init_weights(self, std: float, out_std: float) -> None:
         for name in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"):
@@ -107,6 +108,8 @@ class LatentAttention(nn.Module):
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+        if self.qk_clip is not None:
+            self.qk_clip.observe(q, k, attn_mask, self.softmax_scale)
         out = causal_attention(q, k, v, attn_mask, scale=self.softmax_scale)  # [B, H, S, v_head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
