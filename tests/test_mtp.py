@@ -1,6 +1,6 @@
 """Multi-token prediction (``portatrain.models.common.mtp``; DeepSeek-V3, arXiv:2412.19437 section 2.2):
 the loss against one written out depth by depth, the read-ahead targets of packed rows, the Hugging
-Face names of the published layer, and FSDP2 and context parallel against one process."""
+Face names of the published layer, and FSDP2, context, expert and pipeline parallel against one process."""
 
 from __future__ import annotations
 
@@ -151,35 +151,48 @@ MTP_RUN = [
 
 
 @pytest.mark.slow
-def test_fsdp2_cp2_and_ep2_on_two_processes_match_one(tmp_path: Path) -> None:
+def test_fsdp2_cp2_ep2_and_pp2_on_two_processes_match_one(tmp_path: Path) -> None:
     """Two depths on packed 64-token rows (documents cross the context-parallel shards): FSDP2 (half
     the global batch of 4 per rank), context parallel (each rank two chunks of every row, reading
-    ahead into the other's) and expert parallel (4 of the 8 experts per rank, the depths' too) give one
-    process's losses and gradient norms, MTP loss included."""
+    ahead into the other's), expert parallel (4 of the 8 experts per rank, the depths' too) and
+    pipeline parallel (the depths on the last stage with its copy of the embedding, whose gradient is
+    summed with the first stage's) give one process's losses and gradient norms, MTP loss included;
+    the pipeline's checkpoint resumes in one process."""
     fit(MTP_RUN, tmp_path / "one")
     runs = {
         "fsdp2": [*MTP_RUN, "parallel.dp_shard=2", "data.batch_size=2"],
         "cp2": [*MTP_RUN, "parallel.cp=2"],
         # the depths' mixture of experts split over the ranks with the main blocks'
         "ep2": [*MTP_RUN, "parallel.dp_shard=2", "parallel.ep=2", "data.batch_size=2"],
+        "pp2": [*MTP_RUN[:-1], "parallel.pp=2", "parallel.pp_microbatches=2", "checkpoint.every=2"],
     }
     dirs = launch_runs(2, runs, tmp_path, OMP_NUM_THREADS="1")
     want = train_records(tmp_path / "one")
     assert all(r["mtp_loss"] > 0 for r in want)
-    for name, run_dir in dirs.items():
+    # The pipeline's step-2 checkpoint (the embedding saved once, from both stages) in one process.
+    fit(
+        [*MTP_RUN, f"checkpoint.resume={dirs['pp2'] / 'checkpoints' / 'step_0000002'}"], tmp_path / "pp2_to_1"
+    )
+    for name, run_dir in [*dirs.items(), ("pp2_to_1", tmp_path / "pp2_to_1")]:
         got = train_records(run_dir)
-        assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3], name
-        for g, w in zip(got, want, strict=True):
+        steps = [2, 3] if name == "pp2_to_1" else [0, 1, 2]
+        assert [r["step"] for r in got] == [want[i]["step"] for i in steps] == [i + 1 for i in steps], name
+        for g, w in zip(got, [want[i] for i in steps], strict=True):
             assert g["loss"] == pytest.approx(w["loss"], abs=1e-5), (name, g, w)
             assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), (name, g, w)
+            if name.startswith("pp2"):  # the whole batch's depths on the last stage, summed to rank 0
+                assert g["mtp_loss"] == pytest.approx(w["mtp_loss"], abs=1e-5), (name, g, w)
 
 
-def test_pipeline_parallel_with_mtp_is_one_line_naming_the_fix() -> None:
-    problems = config_problems(compose_config([*MTP_RUN, "parallel.pp=2", "model.tie_embeddings=false"]))
+def test_pipeline_parallel_with_mtp_validates_but_a_v_schedule_is_one_line_naming_the_fix() -> None:
+    pp = [*MTP_RUN, "parallel.pp=2", "dry_run=true"]
+    assert config_problems(compose_config(pp)) == []
+    v_shape = ["parallel.pp_schedule=ZBVZeroBubble", "parallel.pp_virtual_stages=2"]
+    problems = config_problems(compose_config([*pp, *v_shape, "parallel.activation_checkpointing=none"]))
     assert [p for p in problems if "mtp_layers" in p] == [
-        "parallel.pp=2: multi-token prediction (model.mtp_layers=2) is not split over pipeline stages yet "
-        "(its depths read the first stage's embedding on the last stage); set model.mtp_layers=0, or "
-        "parallel.pp=1 and shard with FSDP2 (parallel.dp_shard)"
+        "parallel.pp_schedule=ZBVZeroBubble with model.mtp_layers=2: the last stage's copy of the embedding "
+        "is summed with the first stage's across pipeline ranks, and a V places both stages on rank 0; use "
+        "parallel.pp_schedule=Interleaved1F1B (or InterleavedZeroBubble)"
     ]
 
 

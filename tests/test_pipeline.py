@@ -204,6 +204,21 @@ def test_the_plan_gives_the_bubble_and_memory_per_pipeline_rank() -> None:
     assert int(first[3].replace(",", "")) + int(last[3].replace(",", "")) == 853_632
 
 
+@pytest.mark.parametrize(
+    "model",
+    [["model.tie_embeddings=true"], ["model=deepseek_v3_debug", "model.mtp_layers=1"]],
+    ids=["tied", "mtp"],
+)
+def test_the_plan_counts_the_last_stages_copy_of_the_embedding(model: list[str]) -> None:
+    """A tied head and multi-token prediction's depths read the embedding on the last stage, which
+    holds a copy: the stages together hold the model's parameters and one more embedding matrix."""
+    cfg = compose_config([*RUN, *model, "dry_run=true", "parallel.pp=2"])
+    rows = [line.split() for line in describe_plan(cfg).splitlines() if line[:2] in ("0 ", "1 ")]
+    args = model_args(cfg.model)
+    held = sum(int(row[3].replace(",", "")) for row in rows)
+    assert held == args.num_params() + args.vocab_size * args.dim
+
+
 def test_rendered_jobs_place_the_pipeline_across_hosts_and_tp_inside_one() -> None:
     overrides = [
         "recipe=llama8b",

@@ -141,7 +141,10 @@ def _cross_stage_problems(cfg: Config) -> list[str]:
         cfg.parallel,
         n_layers=None if args is None else args.n_layers,
         tie_embeddings=args is not None and args.tie_embeddings,
-        sparse=args is not None and any(args.is_sparse(i) for i in range(args.n_layers)),
+        mtp_layers=0 if args is None else args.mtp_layers,
+        aux_loss=args is not None
+        and getattr(args, "aux_loss_coef", 0) > 0
+        and any(args.is_sparse(i) for i in range(args.n_layers)),
         batch_size=cfg.data.batch_size,
         collator=cfg.data.collator,
         compile_enabled=cfg.compile.enabled,

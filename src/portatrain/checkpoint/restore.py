@@ -140,7 +140,7 @@ def check_shapes(
     saved = {
         k.removeprefix("model."): tuple(v.size)
         for k, v in metadata.state_dict_metadata.items()
-        if k.startswith("model.") and hasattr(v, "size") and not (optional and k[6:].startswith(optional))
+        if k.startswith("model.") and hasattr(v, "size")
     }
     ours = {k: tuple(v.shape) for k, v in model_sd.items()}
     if get_world_size() > 1:  # pipeline stages hold different layers: the model is all ranks' together
@@ -155,7 +155,7 @@ def check_shapes(
         if k in saved and saved[k] != ours[k]
     ]
     missing = [k for k in ours if k not in saved]
-    unexpected = [k for k in saved if k not in ours]
+    unexpected = [k for k in saved if k not in ours and not (optional and k.startswith(optional))]
     if missing:
         problems.append(f"in the model but not in the checkpoint: {some(missing)}")
     if unexpected:

@@ -73,6 +73,8 @@ class RuntimeOptions:
     """Sums statistics over the ranks that see different tokens (data and context parallel), or None."""
     supports_grouped_mm: Callable[[torch.dtype], bool] | None = None
     """The accelerator adapter's answer: whether ``torch._grouped_mm`` runs natively in a dtype."""
+    sum_stages: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Sums a statistic over the pipeline ranks (each holds some of the layers), or None without a pipeline."""
     qk_clip: float | None = None
     """``optim.qk_clip``'s threshold in training (None or 0: off)."""
     reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None

@@ -59,7 +59,8 @@ def pipeline_problems(
     *,
     n_layers: int | None,
     tie_embeddings: bool = False,
-    sparse: bool = False,
+    mtp_layers: int = 0,
+    aux_loss: bool = False,
     batch_size: int,
     collator: str,
     compile_enabled: bool,
@@ -68,8 +69,9 @@ def pipeline_problems(
 ) -> list[str]:
     """Every reason the pipeline settings of ``parallel`` cannot run, each with the fix (empty with pp=1).
 
-    ``n_layers``, ``tie_embeddings`` and ``sparse`` (a mixture-of-experts layer) describe the model
-    (``n_layers`` None when the model is itself invalid); ``batch_size`` is ``data.batch_size``, the rows
+    ``n_layers``, ``tie_embeddings``, ``mtp_layers`` (multi-token prediction's depths) and ``aux_loss``
+    (a mixture of experts balanced by an auxiliary loss) describe the model (``n_layers`` None when the
+    model is itself invalid); ``batch_size`` is ``data.batch_size``, the rows
     one data-parallel rank feeds a schedule step; ``evaluates`` says the run evaluates (``trainer.eval_every``).
     """
     pp, virtual = int(parallel.pp), int(parallel.pp_virtual_stages)
@@ -91,7 +93,8 @@ def pipeline_problems(
         parallel,
         kind,
         tie_embeddings=tie_embeddings,
-        sparse=sparse,
+        mtp_layers=mtp_layers,
+        aux_loss=aux_loss,
         collator=collator,
         compile_enabled=compile_enabled,
         compile_granularity=compile_granularity,
@@ -164,7 +167,8 @@ def _combination_problems(
     kind: ScheduleKind,
     *,
     tie_embeddings: bool,
-    sparse: bool,
+    mtp_layers: int,
+    aux_loss: bool,
     collator: str,
     compile_enabled: bool,
     compile_granularity: str,
@@ -173,15 +177,18 @@ def _combination_problems(
     """The model, data, compile and schedule settings a pipeline cannot run with."""
     pp, name = int(parallel.pp), parallel.pp_schedule
     problems = []
-    if tie_embeddings:
+    if kind.v_shape and (tie_embeddings or mtp_layers):
+        what = "tied embeddings" if tie_embeddings else f"model.mtp_layers={mtp_layers}"
         problems.append(
-            f"parallel.pp={pp} with tied embeddings: the one matrix would be needed on the first and the "
-            "last stage; use a model with tie_embeddings=false or parallel.pp=1"
+            f"parallel.pp_schedule={name} with {what}: the last stage's copy of the embedding is summed with "
+            "the first stage's across pipeline ranks, and a V places both stages on rank 0; use "
+            "parallel.pp_schedule=Interleaved1F1B (or InterleavedZeroBubble)"
         )
-    if sparse:
+    if aux_loss:
         problems.append(
-            f"parallel.pp={pp}: pipeline stages of a mixture-of-experts model are not supported (its load-"
-            "balancing loss and routing statistics are per forward); set parallel.pp=1"
+            f"parallel.pp={pp}: this mixture of experts is balanced by an auxiliary loss (aux_loss_coef>0), "
+            "which a pipeline would take over each micro-batch, not the step's batch; set parallel.pp=1 "
+            "(a bias-balanced router, as DeepSeek-V3's, trains under a pipeline)"
         )
     if int(parallel.ep) > 1:
         problems.append(
@@ -276,7 +283,8 @@ def describe_stages(
     ``estimate(args, rows)`` is the family's per-device estimate (``spec.estimate_memory`` with the
     run's precision and layout) for a model of ``args`` fed ``rows`` rows. A rank's parameters,
     gradients and optimizer state are its stages' parameters (the embedding on the first, the final
-    norm and head on the last) at the estimate's bytes per parameter; its activations are one
+    norm, the head and multi-token prediction's depths on the last, which holds a copy of the embedding
+    where it reads it too: a tied head, the depths) at the estimate's bytes per parameter; its activations are one
     micro-batch's per block of its stages, times the micro-batches in flight (:func:`in_flight`), plus
     the output head's on the last stage.
     """
@@ -294,6 +302,12 @@ def describe_stages(
         for k in ("params", "grads", "optimizer")
     }
     embedding = args.vocab_size * args.dim
+    # The last stage's own: the final norm, the head (tied: the embedding's copy), the depths and, for
+    # them, the embedding's copy when the head is not it.
+    depths = (
+        args.num_params() - dataclasses.replace(args, mtp_layers=0).num_params() if args.mtp_layers else 0
+    )
+    last_only = args.dim + embedding + depths + (embedding if depths and not args.tie_embeddings else 0)
     gib = 1024**3
     lines = [
         f"pipeline: {name}, pp={pp} x {virtual} stage(s) a rank, {m} micro-batches of {rows} row(s); "
@@ -307,7 +321,7 @@ def describe_stages(
         n = sum(args.attention_params + args.mlp_params(i) for i in blocks)
         n += embedding if 0 in ids else 0
         last = stages - 1 in ids
-        n += args.dim + (0 if args.tie_embeddings else embedding) if last else 0
+        n += last_only if last else 0
         state = sum(per_param[k] for k in per_param) * n
         chunks = in_flight(name, pp, rank, m, virtual)
         spans = ",".join(f"{layers[s][0]}-{layers[s][-1]}" for s in ids)

@@ -110,6 +110,10 @@ def full_tensor_init(enabled: bool = True) -> Iterator[None]:
         yield
 
 
+PIPELINE_COPY = "_pipeline_copy"
+"""Marks a parameter that is a pipeline stage's copy of another stage's (counted once in the norm)."""
+
+
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor],
     max_norm: float,
@@ -125,7 +129,9 @@ def clip_grad_norm_(
     counted once), but cannot mix meshes, so norms are taken per mesh and combined here. The result
     is a plain tensor, identical on every rank, equal to the single-device norm of the same gradients.
     With pipeline parallel (``pp_mesh``) each rank holds its stages' parameters only: the norms of
-    the ``pp`` ranks are combined too.
+    the ``pp`` ranks are combined too. A last stage's copy of a parameter the first stage holds (the
+    embedding, marked :data:`PIPELINE_COPY`; ``portatrain.parallel.pipeline``) is clipped, not counted:
+    the matrix counts once, as in one process.
     """
     params = [p for p in parameters if p.grad is not None]
     if not params:
@@ -136,7 +142,10 @@ def clip_grad_norm_(
         groups.setdefault(key, []).append(param)
     norms = []
     for group in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
+        counted = [p.grad for p in group if not getattr(p, PIPELINE_COPY, False)]
+        if not counted:
+            continue
+        norm = torch.nn.utils.get_total_norm(counted, norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     device = norms[0].device
     norms = torch.stack([n.to(device) for n in norms])

@@ -33,7 +33,7 @@ from portatrain.kernels import apply as apply_kernels
 from portatrain.models import SPECS, moe_dispatch
 from portatrain.models.spec import ModelRuntime, ModelSpec, RuntimeOptions
 from portatrain.parallel import build_pipeline, full_tensor_init, token_all_max, token_all_reduce
-from portatrain.parallel.pipeline import Pipeline
+from portatrain.parallel.pipeline import Pipeline, stage_all_reduce
 from portatrain.train.runtime import Runtime
 
 
@@ -68,6 +68,7 @@ def runtime_options(
         aux_loss_scale=1.0 / grad_accum if grad_accum else 0.0,
         reduce_stats=partial(token_all_reduce, parallel_dims=dims) if spread and grad_accum else None,
         supports_grouped_mm=runtime.accelerator.supports_grouped_mm,
+        sum_stages=partial(stage_all_reduce, parallel_dims=dims) if dims.pp_enabled else None,
         qk_clip=qk_clip if grad_accum else None,
         reduce_max=partial(token_all_max, parallel_dims=dims) if spread else None,
     )
@@ -90,7 +91,8 @@ def build_model(
     ``parallel`` (the ``parallel`` config) is needed only with pipeline parallel."""
     with torch.device("meta"):
         model = construct()
-    hooks = spec.runtime(model, options)
+    # With a pipeline, the hooks are attached to the stages this rank runs (copies of the meta model).
+    hooks = None if runtime.parallel_dims.pp_enabled else spec.runtime(model, options)
     # Kernels are swapped into the model's op slots before parallelize, so compiled blocks trace
     # each kernel as one custom op.
     if kernels is not None:  # kernels.enabled (a command without it, e.g. eval: the references)
@@ -107,6 +109,7 @@ def build_model(
             autocast=runtime.autocast,
         )
         built = pipeline.model
+        hooks = spec.runtime(built, options)
     else:
         built = materialize(parallelize(model))
     flops_per_token = converters.flops_per_token(getattr(model, "flops_per_token", None))  # e.g. LoRA's

@@ -3,7 +3,8 @@
 After the micro-batches' backward passes, :class:`OptimizerStep` does, in this order:
 
 1. fault tolerance: average the gradients over the replica groups (``fault_tolerance.enabled``);
-2. clip to ``optim.grad_clip`` by the global norm (across FSDP/TP meshes and pipeline stages);
+2. clip to ``optim.grad_clip`` by the global norm (across FSDP/TP meshes and pipeline stages; the
+   gradients of the embedding two pipeline stages hold summed first: ``portatrain.parallel.pipeline``);
 3. fault tolerance: commit, or drop the step when a replica group failed during it (nothing applied;
    the loop redoes it with the next batches);
 4. the optimizer's step, skipped on the device when the norm is not finite (``trainer.on_nonfinite``,
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from portatrain.parallel import clip_grad_norm_
+from portatrain.parallel.pipeline import sum_shared_grads
 from portatrain.train.spike import SpikeGuard
 
 logger = logging.getLogger(__name__)
@@ -77,6 +79,8 @@ class OptimizerStep:
     def clip(self, model: nn.Module) -> torch.Tensor:
         """Clip the gradients by their global norm (one norm across FSDP/TP meshes and pipeline
         stages); returns the norm before clipping."""
+        if self.pp_mesh is not None:  # the embedding and its last-stage copy step alike (Megatron-LM's)
+            sum_shared_grads(model.parameters())
         params = [p for p in model.parameters() if p.grad is not None]
         return clip_grad_norm_(params, self.max_grad_norm, pp_mesh=self.pp_mesh)
 

@@ -48,8 +48,9 @@ def runtime(model: nn.Module, options: RuntimeOptions) -> ModelRuntime:
     from portatrain.models.common.qk_clip import QKClipRuntime
 
     hooks: ModelRuntime = MoERuntime(model, options)
-    if getattr(model, "mtp", None) is not None:
-        hooks = MTPRuntime(model, hooks)
+    # By the arguments: a pipeline rank before the last holds no depth (mtp is None) but takes part in the metric.
+    if getattr(getattr(model, "args", None), "mtp_layers", 0):
+        hooks = MTPRuntime(model, hooks, options.sum_stages)
     if options.qk_clip:
         hooks = QKClipRuntime(model, hooks, options.qk_clip, options.reduce_max)
     return hooks

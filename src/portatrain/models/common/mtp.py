@@ -103,7 +103,11 @@ class MTPLayer(nn.Module):
 
 class MultiTokenPrediction(nn.Module):
     """The ``D`` depths (``layers``, keyed ``"0"..``), run by the decoder after its final norm when
-    :attr:`targets` is set (by :class:`MTPRuntime` around a training forward)."""
+    :attr:`targets` is set (by :class:`MTPRuntime` around a training forward, or by a pipeline's last
+    stage from the :attr:`batch_keys` of each micro-batch)."""
+
+    batch_keys = (MTP_TOKENS, MTP_LABELS)
+    """The batch entries :attr:`targets` holds, in order."""
 
     def __init__(self, args: object, build_block: Callable[[object, int], nn.Module]) -> None:
         super().__init__()
@@ -155,27 +159,44 @@ class MultiTokenPrediction(nn.Module):
 class MTPRuntime(NoRuntime):
     """Multi-token prediction's hooks (:class:`~portatrain.models.spec.ModelRuntime`) around another
     runtime's (the mixture of experts'): the read-ahead targets, the loss of each training forward, the
-    ``mtp_loss`` metric."""
+    ``mtp_loss`` metric.
 
-    def __init__(self, model: nn.Module, inner: ModelRuntime) -> None:
-        self.model, self.mtp, self.inner = model, model.mtp, inner
+    Under pipeline parallel only the last stage holds the depths (``model.mtp`` is None elsewhere) and
+    the pipeline adds their loss per micro-batch; ``sum_stages`` (the sum over the pipeline ranks) brings
+    the metric's sums to every rank."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner: ModelRuntime,
+        sum_stages: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        self.model, self.mtp, self.inner, self.sum_stages = model, model.mtp, inner, sum_stages
+        self.depth = model.args.mtp_layers
 
     def post_optimizer_step(self, ok: torch.Tensor) -> None:
         self.inner.post_optimizer_step(ok)
 
     def metrics(self) -> dict[str, float]:
-        sums, counts = torch.stack([self.mtp.ce_sums, self.mtp.counts]).tolist()
-        self.mtp.ce_sums.zero_()
-        self.mtp.counts.zero_()
+        if self.mtp is None:  # a pipeline rank before the last: nothing of its own
+            stats = torch.zeros(2, self.depth, device=next(self.model.parameters()).device)
+        else:
+            stats = torch.stack([self.mtp.ce_sums, self.mtp.counts])
+            self.mtp.ce_sums.zero_()
+            self.mtp.counts.zero_()
+        if self.sum_stages is not None:
+            stats = self.sum_stages(stats)
+        sums, counts = stats.tolist()
         means = [s / c for s, c in zip(sums, counts) if c > 0]
         own = {"mtp_loss": sum(means) / len(means)} if means else {}
         return {**self.inner.metrics(), **own}
 
     def prepare_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         batch = self.inner.prepare_batch(batch)
-        # Training batches of token ids and labels only (a preference pair's batch has neither).
-        if self.model.training and "input_ids" in batch and "labels" in batch:
-            return mtp_targets(batch, len(self.mtp.layers))
+        # Training batches of token ids and labels only (a preference pair's batch has neither), where
+        # the depths are (not on a pipeline's earlier stages).
+        if self.mtp is not None and self.model.training and "input_ids" in batch and "labels" in batch:
+            return mtp_targets(batch, self.depth)
         return batch
 
     @contextlib.contextmanager

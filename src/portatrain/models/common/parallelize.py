@@ -161,12 +161,6 @@ def layout_problems(parallel: Any, args: Any) -> list[str]:
             f"parallel.tp={parallel.tp}: tensor parallel does not shard a mixture of experts' experts; "
             "set parallel.tp=1 and shard with FSDP2 instead (parallel.dp_shard)"
         )
-    if getattr(parallel, "pp", 1) > 1 and args.mtp_layers:
-        problems.append(
-            f"parallel.pp={parallel.pp}: multi-token prediction (model.mtp_layers={args.mtp_layers}) is not split "
-            "over pipeline stages yet (its depths read the first stage's embedding on the last stage); set "
-            "model.mtp_layers=0, or parallel.pp=1 and shard with FSDP2 (parallel.dp_shard)"
-        )
     sliding = getattr(args, "sliding_window", None) is not None
     if getattr(parallel, "cp", 1) > 1 and (sliding or args.attention_sinks):
         what = "sliding-window layers" if sliding else "attention sinks"
@@ -263,7 +257,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         root_plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     if root_plan:
         parallelize_module(model, tp_mesh, root_plan)
-    if model.args.tie_embeddings:
+    # One matrix at both ends (a pipeline's first stage has no output, its last a copy as lm_head).
+    if model.args.tie_embeddings and model.lm_head is None and model.norm is not None:
         _tied_output_projection(model)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan(block))
@@ -354,7 +349,8 @@ def apply_fsdp(
             fully_shard(moe.experts, **{**config, "mesh": expert_mesh}, shard_placement_fn=placement)
             for method in ("grouped", "batched"):
                 register_fsdp_forward_method(moe.experts, method)
-    tied = model.args.tie_embeddings
+    # One module at both ends (a tied model; on a pipeline's stages each end is a matrix of its own).
+    tied = model.args.tie_embeddings and model.lm_head is None and model.norm is not None
     if not tied and model.embed_tokens is not None:  # (a later pipeline stage has none)
         fully_shard(model.embed_tokens, **config)
     for block in model.layers.values():
