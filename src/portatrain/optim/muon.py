@@ -161,23 +161,22 @@ def round_robin_dim(update: torch.Tensor) -> tuple[int, int] | None:
     return mesh_dim, placement.dim
 
 
-def assign_owners(costs: list[int], world: int) -> list[int]:
-    """The owner rank of each matrix: the costliest first, each to the least-loaded rank so far (the
-    lowest on a tie) -- greedy longest-processing-time scheduling, the same on every rank since it
-    reads shapes only."""
+def assign_owners(shapes: list[torch.Size], world: int) -> list[int]:
+    """The owner rank of each matrix (or stack of experts) of ``shapes``: the costliest Newton-Schulz
+    first, each to the least-loaded rank so far (the lowest on a tie) -- greedy longest-processing-time
+    scheduling, the same on every rank since it reads shapes only. The cost of one iteration on
+    ``[..., m, n]``, ``m <= n``: ``X X^T`` and ``(B) X`` are ``m * m * n`` multiply-adds each and
+    ``B = b A + c A A`` is ``m^3``, times the leading dimensions."""
+    costs = []
+    for shape in shapes:
+        small, large = sorted(shape[-2:])
+        costs.append(math.prod(shape[:-2]) * (2 * small * small * large + small**3))
     load, owners = [0] * world, [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
         owner = min(range(world), key=load.__getitem__)
         owners[i] = owner
         load[owner] += costs[i]
     return owners
-
-
-def _newton_schulz_cost(shape: torch.Size) -> int:
-    """Multiply-adds of one Newton-Schulz iteration on ``shape``: ``X X^T`` and ``(B) X`` are
-    ``m * m * n`` each and ``B = b A + c A A`` is ``m^3``, for ``m <= n`` (times any leading experts)."""
-    small, large = sorted(shape[-2:])
-    return math.prod(shape[:-2]) * (2 * small * small * large + small**3)
 
 
 def _shard_sizes(size: int, world: int) -> list[int]:
@@ -247,7 +246,7 @@ def _round_robin(
     locals_ = [u.to_local().to(dtype) for u in batch]
     dims = [round_robin_dim(u)[1] for u in batch]
     sizes = [_shard_sizes(u.size(d), world) for u, d in zip(batch, dims)]
-    owners = assign_owners([_newton_schulz_cost(u.shape) for u in batch], world)
+    owners = assign_owners([u.shape for u in batch], world)
     mine = [i for i, owner in enumerate(owners) if owner == rank]
 
     def shape_on(i: int, source: int) -> list[int]:  # matrix i's shard on rank `source`
