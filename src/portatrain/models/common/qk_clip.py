@@ -237,11 +237,18 @@ class QKClipRuntime(NoRuntime):
 
     def metrics(self) -> dict[str, float]:
         """``max_attn_logit``: the largest logit of the steps since the last call (before clipping);
-        ``qk_clipped_heads``: the heads clipped in them, a head once per step (with tensor parallel,
-        the logging rank's heads)."""
+        ``qk_clipped_heads``: the heads clipped in them, a head once per step. Every rank calls it (a
+        collective over the tensor-parallel ranks, which hold different heads)."""
         own = {}
         if self.window_max is not None:
-            largest, count = torch.stack([self.window_max, self.window_clipped.float()]).tolist()
+            largest, count = self.window_max.clone(), self.window_clipped.float()
+            group = _tp_group(self.layers[0])
+            if group is not None:
+                import torch.distributed as dist
+
+                dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+                dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+            largest, count = torch.stack([largest, count]).tolist()
             if math.isfinite(largest):
                 own = {"max_attn_logit": largest, "qk_clipped_heads": int(count)}
             self.window_max = self.window_clipped = None
@@ -252,6 +259,15 @@ class QKClipRuntime(NoRuntime):
 
     def extra_loss(self, batch: dict[str, torch.Tensor]) -> Any:
         return self.inner.extra_loss(batch)
+
+
+def _tp_group(layer: nn.Module) -> Any:
+    """The process group of the tensor-parallel ranks that split ``layer``'s heads, or None."""
+    linear = next(getattr(layer, n) for n in ("q_proj", "q_b_proj") if hasattr(layer, n))
+    mesh = getattr(linear.weight, "device_mesh", None)
+    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()) or mesh["tp"].size() == 1:
+        return None
+    return mesh.get_group("tp")
 
 
 def qk_clip_problems(threshold: float | None, parallel: Any, args: Any, *, lora: bool = False) -> list[str]:
