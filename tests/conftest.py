@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig
 
+from tests import shared_launch
 from tests.helpers import ROOT, TINY, compose_config, fit, run_cli
 
 __all__ = ["ROOT", "TINY", "compose_config", "run_cli", "tiny_cfg"]
@@ -97,3 +98,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("flaky"):
             item.add_marker(pytest.mark.flaky(reruns=1))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the shared torchrun launches the selected tests need (tests/shared_launch.py)."""
+    if not session.config.option.collectonly:
+        shared_launch.start(session)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shared_launch.finish(session, exitstatus)

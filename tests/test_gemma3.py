@@ -19,9 +19,17 @@ import torch
 
 from portatrain.models.common.masks import sliding_window_mask, window_mask
 from portatrain.models.gemma3.model import GEMMA3_FLAVORS, Gemma3
-from tests.helpers import TINY, fit, launch_runs, train_records
+from tests import shared_launch
+from tests.helpers import TINY, fit, train_records
 
 GEMMA = [*TINY, "model=gemma3_debug", "checkpoint.enabled=false", "trainer.steps=3"]
+# Untied: a pipeline refuses a matrix shared by its first and last stages.
+UNTIED = [*GEMMA, "model.tie_embeddings=false"]
+two_processes = shared_launch.declare(
+    "two_processes",
+    2,
+    {"tp2": [*UNTIED, "parallel.tp=2"], "pp2": [*UNTIED, "parallel.pp=2", "parallel.pp_microbatches=2"]},
+)
 
 
 def test_non_embedding_counts_are_the_reports() -> None:
@@ -67,18 +75,12 @@ def test_local_layers_use_the_window_and_their_rope_base() -> None:
 
 
 @pytest.mark.slow
-def test_tp2_and_pp2_on_two_processes_match_one(tmp_path: Path) -> None:
+def test_tp2_and_pp2_on_two_processes_match_one(two_processes, tmp_path: Path) -> None:
     """The debug model (4 blocks alternating local and global, 64-token rows past its 16-token
-    window), untied (a pipeline refuses a matrix shared by its first and last stages): tensor parallel
-    (sequence-parallel norms on both sides of each sub-layer, per-head q/k norms) and a two-stage
-    pipeline give one process's losses and gradient norms."""
-    run = [*GEMMA, "model.tie_embeddings=false"]
-    fit(run, tmp_path / "one")
-    dirs = launch_runs(
-        2,
-        {"tp2": [*run, "parallel.tp=2"], "pp2": [*run, "parallel.pp=2", "parallel.pp_microbatches=2"]},
-        tmp_path,
-    )
+    window), untied: tensor parallel (sequence-parallel norms on both sides of each sub-layer,
+    per-head q/k norms) and a two-stage pipeline give one process's losses and gradient norms."""
+    fit(UNTIED, tmp_path / "one")
+    dirs = two_processes
     want = train_records(tmp_path / "one")
     for name, run_dir in dirs.items():
         got = train_records(run_dir)

@@ -4,7 +4,7 @@
   stages of a rank (loop or V), the parts cut from a meta model (embedding first, norm and head last,
   unsplit names), and the initialization of the parts equal to the whole model's.
 * Bad input, refused by validation with one line each and exit 2, before any process group starts.
-* Under ``torchrun`` (slow tier), several layouts per launch (``tests/launch_runs.py``): every schedule
+* Under ``torchrun`` (slow tier), in the session's launch of each world size (``tests/shared_launch.py``): every schedule
   on 2 processes, pp2 x dp2 and pp2 x tp2 on 4 (with activation checkpointing and compiled blocks),
   pp2 x dp2 x tp2 on 8, each equal to one process on the same global batch within 1e-5 (and 1F1B in
   bf16 against one process in bf16, within the bound of ``tests/helpers.py``); evaluation
@@ -34,7 +34,7 @@ from portatrain.parallel.parallel_dims import layout_problems
 from portatrain.parallel.pipeline import bubble_fraction, split_model, stage_ids, stage_layers
 from portatrain.plan import describe_plan
 from portatrain.validate import config_problems
-from tests import fault_injection
+from tests import fault_injection, shared_launch
 from tests.helpers import (
     BF16,
     ROOT,
@@ -240,19 +240,21 @@ def test_rendered_jobs_place_the_pipeline_across_hosts_and_tp_inside_one() -> No
 # ---------------------------------------------------------------------------------------------
 
 
+ONE_PROCESS = [*RUN, "trainer.eval_every=3"]
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    """One process, global batch 4: the training records, the evaluation loss, and a checkpoint at
-    step 2 (``checkpoint``); and the training records of the same run in bf16 (``bf16``)."""
+    """One process, global batch 4: the training records and the evaluation loss; and the training
+    records of the same run in bf16 (``bf16``)."""
     run_dir = tmp_path_factory.mktemp("one")
-    fit([*RUN, "trainer.eval_every=3", "checkpoint.enabled=true", "checkpoint.every=2"], run_dir)
+    fit(ONE_PROCESS, run_dir)
     records = read_metrics(run_dir)
     bf16_dir = tmp_path_factory.mktemp("one_bf16")
     fit([*RUN, *BF16], bf16_dir)
     return {
         "train": [r for r in records if "loss" in r],
         "eval": [r["eval_loss"] for r in records if "eval_loss" in r],
-        "checkpoint": run_dir / "checkpoints" / "step_0000002",
         "bf16": train_records(bf16_dir),
     }
 
@@ -268,50 +270,52 @@ def _assert_same_steps(got: list[dict], want: list[dict], what: str) -> None:
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), (what, g, w)
 
 
-@pytest.fixture(scope="module")
-def two_processes(one_process, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every schedule on 2 processes (one launch), and a pp=1 checkpoint resumed at pp=2 with two stages
-    a rank (``from_pp1``); the 1F1B run saves at step 2 (the pp=1 and pp=4 resumes start there)."""
-    tmp_path = tmp_path_factory.mktemp("two")
-    interleaved = ["parallel.pp_virtual_stages=2", "parallel.pp_microbatches=4"]
-    # A pp=1 checkpoint, resumed at pp=2 with two stages a rank (the run directory is a copy).
-    shutil.copytree(one_process["checkpoint"], tmp_path / "from_pp1" / "checkpoints" / "step_0000002")
-    runs = {
-        "GPipe": [*RUN, *PP2, "parallel.pp_schedule=GPipe"],
-        # 1F1B evaluates through the pipeline, takes the chunked loss, and saves at step 2.
-        "1F1B": [
-            *RUN,
-            *PP2,
-            "trainer.eval_every=3",
-            "trainer.loss=chunked",
-            "checkpoint.enabled=true",
-            "checkpoint.every=2",
-        ],
-        "Interleaved1F1B": [
-            *RUN,
-            *PP2,
-            *interleaved,
-            "parallel.pp_schedule=Interleaved1F1B",
-            "trainer.eval_every=3",
-        ],
-        "InterleavedZeroBubble": [*RUN, *PP2, *interleaved, "parallel.pp_schedule=InterleavedZeroBubble"],
-        "1F1B_bf16": [*RUN, *PP2, *BF16],
-        "ZBVZeroBubble": [
-            *RUN,
-            *PP2,
-            "parallel.pp_virtual_stages=2",
-            "parallel.pp_schedule=ZBVZeroBubble",
-            "parallel.activation_checkpointing=full",
-        ],
-        "from_pp1": [
-            *RUN,
-            *PP2,
-            *interleaved,
-            "parallel.pp_schedule=Interleaved1F1B",
-            "checkpoint.resume=auto",
-        ],
-    }
-    return launch_runs(2, runs, tmp_path)
+def save_at_pp1(module_dir: Path) -> None:
+    """The setup of the two-process launch (run in a fresh process): the one-process run's checkpoint
+    of step 2 in ``from_pp1``'s run directory, which resumes it at pp=2 with two stages a rank."""
+    fit([*ONE_PROCESS, "checkpoint.enabled=true", "checkpoint.every=2"], module_dir / "one")
+    saved = module_dir / "one" / "checkpoints" / "step_0000002"
+    shutil.copytree(saved, module_dir / "from_pp1" / "checkpoints" / "step_0000002")
+
+
+INTERLEAVED = ["parallel.pp_virtual_stages=2", "parallel.pp_microbatches=4"]
+# Every schedule on 2 processes; the 1F1B run saves at step 2 (the pp=1 and pp=4 resumes start there).
+TWO_PROCESSES = {
+    "GPipe": [*RUN, *PP2, "parallel.pp_schedule=GPipe"],
+    # 1F1B evaluates through the pipeline, takes the chunked loss, and saves at step 2.
+    "1F1B": [
+        *RUN,
+        *PP2,
+        "trainer.eval_every=3",
+        "trainer.loss=chunked",
+        "checkpoint.enabled=true",
+        "checkpoint.every=2",
+    ],
+    "Interleaved1F1B": [
+        *RUN,
+        *PP2,
+        *INTERLEAVED,
+        "parallel.pp_schedule=Interleaved1F1B",
+        "trainer.eval_every=3",
+    ],
+    "InterleavedZeroBubble": [*RUN, *PP2, *INTERLEAVED, "parallel.pp_schedule=InterleavedZeroBubble"],
+    "1F1B_bf16": [*RUN, *PP2, *BF16],
+    "ZBVZeroBubble": [
+        *RUN,
+        *PP2,
+        "parallel.pp_virtual_stages=2",
+        "parallel.pp_schedule=ZBVZeroBubble",
+        "parallel.activation_checkpointing=full",
+    ],
+    "from_pp1": [
+        *RUN,
+        *PP2,
+        *INTERLEAVED,
+        "parallel.pp_schedule=Interleaved1F1B",
+        "checkpoint.resume=auto",
+    ],
+}
+two_processes = shared_launch.declare("two_processes", 2, TWO_PROCESSES, setup=save_at_pp1)
 
 
 @pytest.mark.slow
@@ -348,20 +352,16 @@ def test_every_schedule_on_two_processes_matches_one_process_and_checkpoints_mov
     assert (tmp_path / "hf" / "config.json").is_file()
 
 
-@pytest.mark.slow
-def test_pp2_with_fsdp2_and_with_tp2_on_four_processes_matches_one_process(
-    one_process, two_processes, tmp_path: Path
-) -> None:
-    """pp2 x dp2 (also interleaved, checkpointed and compiled) and pp2 x tp2 against one process; the
-    checkpoint two processes saved at pp=2 (step 2) resumes at pp=4, one block a stage, on four."""
-    dp2 = ["parallel.dp_shard=2", "data.batch_size=2"]  # the global batch stays 4 rows
-    saved = two_processes["1F1B"] / "checkpoints" / "step_0000002"
-    runs = {
-        "pp2_dp2": [*RUN, *PP2, *dp2],
+DP2 = ["parallel.dp_shard=2", "data.batch_size=2"]  # the global batch stays 4 rows
+four_processes = shared_launch.declare(
+    "four_processes",
+    4,
+    {
+        "pp2_dp2": [*RUN, *PP2, *DP2],
         "pp2_dp2_interleaved_compiled": [
             *RUN,
             *PP2,
-            *dp2,
+            *DP2,
             "parallel.pp_schedule=Interleaved1F1B",
             "parallel.pp_virtual_stages=2",
             "parallel.activation_checkpointing=full",
@@ -369,11 +369,26 @@ def test_pp2_with_fsdp2_and_with_tp2_on_four_processes_matches_one_process(
             "compile.backend=aot_eager",
         ],
         "pp2_tp2": [*RUN, *PP2, "parallel.tp=2", "parallel.activation_checkpointing=selective"],
-        "pp2_to_pp4": [*RUN, "parallel.pp=4", "parallel.pp_microbatches=4", f"checkpoint.resume={saved}"],
-    }
-    dirs = launch_runs(4, runs, tmp_path)
-    want = {name: one_process["train"] for name in runs} | {"pp2_to_pp4": one_process["train"][2:]}
-    for name, run_dir in dirs.items():
+        # The two-process launch's 1F1B checkpoint (it runs first: launches go in order of size).
+        "pp2_to_pp4": [
+            *RUN,
+            "parallel.pp=4",
+            "parallel.pp_microbatches=4",
+            f"checkpoint.resume={shared_launch.module_path('1F1B', 'checkpoints', 'step_0000002')}",
+        ],
+    },
+)
+
+
+@pytest.mark.slow
+def test_pp2_with_fsdp2_and_with_tp2_on_four_processes_matches_one_process(
+    one_process, two_processes, four_processes
+) -> None:
+    """pp2 x dp2 (also interleaved, checkpointed and compiled) and pp2 x tp2 against one process; the
+    checkpoint two processes saved at pp=2 (step 2) resumes at pp=4, one block a stage, on four."""
+    assert (two_processes["1F1B"] / "checkpoints" / "step_0000002").is_dir()
+    want = {name: one_process["train"] for name in four_processes} | {"pp2_to_pp4": one_process["train"][2:]}
+    for name, run_dir in four_processes.items():
         _assert_same_steps(train_records(run_dir), want[name], name)
 
 
@@ -469,27 +484,34 @@ def test_sigterm_to_a_pipelined_portatrain_torchrun_saves_and_exits_0(tmp_path: 
     inspect_checkpoint(saved)  # both stages' shards and the unsplit names' index are whole
 
 
-@pytest.mark.slow
-def test_pp2_with_fsdp2_and_with_tp2_on_the_sim_device_matches_one_process(
-    one_process, tmp_path: Path
-) -> None:
-    """``device=sim``, 4 processes: activations and gradients cross between the stages through the sim
-    device's process-group backend (``simccl``), whose sends and receives complete at ``wait()`` as
-    gloo's do (a send that waited for its receiver deadlocked the two stages, which both send first);
-    FSDP2 and TP inside each stage take its collectives."""
-    sim = [*RUN, *PP2, "device=sim"]
-    runs = {
-        "pp2_dp2": [*sim, "parallel.dp_shard=2", "data.batch_size=2", "trainer.eval_every=3"],
-        "pp2_tp2_interleaved": [
-            *sim,
+SIM = [*RUN, *PP2, "device=sim"]
+# A launch of its own: its process group takes the sim device's backend.
+four_sim_processes = shared_launch.declare(
+    "four_sim_processes",
+    4,
+    {
+        "sim_pp2_dp2": [*SIM, "parallel.dp_shard=2", "data.batch_size=2", "trainer.eval_every=3"],
+        "sim_pp2_tp2_interleaved": [
+            *SIM,
             "parallel.tp=2",
             "parallel.pp_schedule=Interleaved1F1B",
             "parallel.pp_virtual_stages=2",
             "parallel.pp_microbatches=4",
         ],
-    }
-    dirs = launch_runs(4, runs, tmp_path)
+    },
+)
+
+
+@pytest.mark.slow
+def test_pp2_with_fsdp2_and_with_tp2_on_the_sim_device_matches_one_process(
+    one_process, four_sim_processes
+) -> None:
+    """``device=sim``, 4 processes: activations and gradients cross between the stages through the sim
+    device's process-group backend (``simccl``), whose sends and receives complete at ``wait()`` as
+    gloo's do (a send that waited for its receiver deadlocked the two stages, which both send first);
+    FSDP2 and TP inside each stage take its collectives."""
+    dirs = four_sim_processes
     for name, run_dir in dirs.items():
         _assert_same_steps(train_records(run_dir), one_process["train"], f"{name} on sim")
-    evals = [r["eval_loss"] for r in read_metrics(dirs["pp2_dp2"]) if "eval_loss" in r]
+    evals = [r["eval_loss"] for r in read_metrics(dirs["sim_pp2_dp2"]) if "eval_loss" in r]
     assert evals == pytest.approx(one_process["eval"], abs=1e-5)

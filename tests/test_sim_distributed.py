@@ -3,8 +3,8 @@ and tensor parallelism, each compared with one CPU process training on the same 
 
 Device tensors travel through the sim's own process-group backend (``cpu:gloo,sim:simccl``), so
 this exercises the PrivateUse1 collective path FSDP2 and DTensor take on TPU and Trainium. The three
-sim runs (FSDP2, its resume from the step-2 checkpoint, TP) share one two-process launch
-(``tests/launch_runs.py``); the CPU reference trains in this process.
+sim runs (FSDP2, its resume from the step-2 checkpoint, TP) train in the session's two-process launch
+on the sim device (``tests/shared_launch.py``); the CPU reference trains in this process.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import fit, launch_runs, train_records
+from tests import shared_launch
+from tests.helpers import fit, train_records
 
 pytestmark = pytest.mark.slow
 
@@ -48,15 +49,17 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, float
     return _records(run_dir)
 
 
-@pytest.fixture(scope="module")
-def sim_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """FSDP2 saving at step 2, FSDP2 resumed from that checkpoint, and TP: one launch, in that order."""
-    tmp_path = tmp_path_factory.mktemp("sim")
-    fsdp2 = ["device=sim", *COMMON, "parallel.dp_shard=2", f"data.batch_size={GLOBAL_BATCH // 2}"]
-    halfway = tmp_path / "full" / "checkpoints" / "step_0000002"
-    runs = {
-        "full": [*fsdp2, "checkpoint.every=2"],
-        "resumed": [*fsdp2, f"checkpoint.resume={halfway}"],
+# FSDP2 saving at step 2, FSDP2 resumed from that checkpoint, and TP: in that order.
+FSDP2 = ["device=sim", *COMMON, "parallel.dp_shard=2", f"data.batch_size={GLOBAL_BATCH // 2}"]
+sim_runs = shared_launch.declare(
+    "sim_runs",
+    2,
+    {
+        "full": [*FSDP2, "checkpoint.every=2"],
+        "resumed": [
+            *FSDP2,
+            f"checkpoint.resume={shared_launch.module_path('full', 'checkpoints', 'step_0000002')}",
+        ],
         "tp": [
             "device=sim",
             *COMMON,
@@ -64,16 +67,16 @@ def sim_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             f"data.batch_size={GLOBAL_BATCH}",
             "checkpoint.enabled=false",
         ],
-    }
-    dirs = launch_runs(2, runs, tmp_path, SIM_DEVICE_COUNT="2")
-    assert "terminate called" not in (tmp_path / "stderr.txt").read_text()
-    return dirs
+    },
+    env={"SIM_DEVICE_COUNT": "2"},
+)
 
 
 def test_fsdp2_on_sim_matches_cpu_and_resumes_from_dcp(sim_runs: dict[str, Path], reference: list) -> None:
     _assert_close(_records(sim_runs["full"]), reference)
     assert (sim_runs["full"] / "checkpoints" / "step_0000002").is_dir()
     _assert_close(_records(sim_runs["resumed"]), reference[2:])
+    assert "terminate called" not in sim_runs.launch_stderr  # the sim backend's teardown at exit
 
 
 def test_tensor_parallel_on_sim_matches_cpu(sim_runs: dict[str, Path], reference: list) -> None:
