@@ -33,9 +33,9 @@ rows by ``gamma``, the rotary key shared by every head untouched (scaling it wou
 
 **Not here.** Attention that normalizes queries and keys after their projections (``qk_norm``: Qwen 3,
 Gemma 3, OLMo 2) undoes any scale of the projections, and QK-norm bounds the logits already;
-context parallel attends through a callable that holds the row's keys; pipeline stages hold copies of
-the layers this hook does not see; LoRA's adapters add to frozen projections it would not scale.
-:func:`qk_clip_problems` refuses each.
+context parallel attends through a callable that holds the row's keys; under pipeline parallel each
+stage would clip its own layers and log only theirs (not done, nor tested, yet); LoRA's adapters add
+to frozen projections it would not scale. :func:`qk_clip_problems` refuses each.
 
 The report applies QK-clip with Muon (MuonClip), where it saw logits grow fastest; it rescales
 weights after any update, so ``optim.qk_clip`` works with every ``optim.name``.
@@ -72,28 +72,29 @@ def max_logits(
 
     ``q [B, H, S, D]``, ``k [B, H_kv, S, D]`` as attention gets them (query head ``h`` reads key head
     ``h // (H / H_kv)``); ``attn_mask`` None (causal) or bool ``[B or 1, 1, S, S]`` / ``[S, S]``, True
-    where a query sees a key (``portatrain.models.attention``); ``scale`` None: ``1 / sqrt(D)``. A head
-    whose queries see no key gets ``-inf``.
+    where a query sees a key, causality included (``portatrain.models.attention``); ``scale`` None:
+    ``1 / sqrt(D)``. A head whose queries see no key gets ``-inf``.
     """
     if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
         raise ValueError("max_logits takes a boolean mask or None, not an attention callable")
     batch, heads, seq_len, dim = q.shape
-    kv_heads, n_keys = k.shape[1], k.shape[2]
+    kv_heads = k.shape[1]
     n_rep = heads // kv_heads
     scale = dim**-0.5 if scale is None else scale
     keys = k.float().transpose(-1, -2)  # [B, H_kv, D, S]
     mask = attn_mask[None, None] if attn_mask is not None and attn_mask.dim() == 2 else attn_mask
-    key_pos = torch.arange(n_keys, device=q.device)
+    key_pos = torch.arange(k.shape[2], device=q.device)
     best = torch.full((kv_heads, n_rep), float("-inf"), device=q.device)
     for start in range(0, seq_len, chunk):
         stop = min(start + chunk, seq_len)
         # A key head's n_rep query heads as rows of one matrix: no repeated keys.
         rows = q[:, :, start:stop].float().reshape(batch, kv_heads, n_rep * (stop - start), dim)
-        scores = (rows @ keys).view(batch, kv_heads, n_rep, stop - start, n_keys)
+        # Every mask holds causality: keys past the chunk's last query are never seen (half the work).
+        scores = (rows @ keys[..., :stop]).view(batch, kv_heads, n_rep, stop - start, stop)
         if mask is None:
-            allowed = key_pos <= torch.arange(start, stop, device=q.device)[:, None]  # [c, S]
+            allowed = key_pos[:stop] <= torch.arange(start, stop, device=q.device)[:, None]  # [c, stop]
         else:
-            allowed = mask[:, :, None, start:stop]  # [B or 1, 1, 1, c, S]
+            allowed = mask[:, :, None, start:stop, :stop]  # [B or 1, 1, 1, c, stop]
         best = torch.maximum(best, scores.masked_fill(~allowed, float("-inf")).amax(dim=(0, 3, 4)))
     # max(scale * x) = scale * max(x) for scale > 0, rounding included (it is monotone).
     return best.view(heads) * scale
@@ -295,7 +296,7 @@ def qk_clip_problems(threshold: float | None, parallel: Any, args: Any, *, lora:
         )
     if parallel.pp > 1:
         problems.append(
-            f"optim.qk_clip={threshold} with parallel.pp={parallel.pp}: pipeline stages hold copies of "
-            "the attention layers that QK-clip does not reach; set parallel.pp=1 or optim.qk_clip=null"
+            f"optim.qk_clip={threshold} with parallel.pp={parallel.pp}: QK-clip under pipeline stages is "
+            "not supported yet; set parallel.pp=1 or optim.qk_clip=null"
         )
     return problems
