@@ -50,13 +50,13 @@ from portatrain.models import SPECS, model_args
 from portatrain.models.memory import measured_peak_bytes
 from portatrain.plan import estimate_for_config
 from portatrain.trainer import Trainer
+from tests import shared_launch
 from tests.helpers import (
     TINY,
     bf16_tolerance,
     compose_config,
     decoder_roundings,
     fit,
-    launch_runs,
     make_trainer,
     relative_error,
     run_cli,
@@ -602,15 +602,17 @@ def test_init_from_the_export_is_bit_identical(family: str, trained, exported: P
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def fsdp2_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every family with ``parallel.dp_shard=2``, all in one two-process launch (one start-up)."""
-    batch = "data.batch_size=2"  # per rank: the same global batch of 4 as the one-process run
-    runs = {
-        family: [*TINY, *family_overrides(family), "parallel.dp_shard=2", batch, "checkpoint.enabled=false"]
+# Every family with parallel.dp_shard=2 in the session's two-process launch (tests/shared_launch.py),
+# per rank 2 rows: the same global batch of 4 as the one-process run.
+NO_SAVE = ["checkpoint.enabled=false"]
+fsdp2_runs = shared_launch.declare(
+    "fsdp2_runs",
+    2,
+    {
+        family: [*TINY, *family_overrides(family), "parallel.dp_shard=2", "data.batch_size=2", *NO_SAVE]
         for family in FAMILIES
-    }
-    return launch_runs(2, runs, tmp_path_factory.mktemp("fsdp2"))
+    },
+)
 
 
 @pytest.mark.slow

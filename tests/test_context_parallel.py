@@ -17,7 +17,8 @@ from portatrain.parallel.context import (
     unshard_sequence,
 )
 from portatrain.parallel.parallel_dims import layout_problems
-from tests.helpers import bf16_tolerance, decoder_roundings, relative_error
+from tests import shared_launch
+from tests.helpers import TINY, bf16_tolerance, decoder_roundings, relative_error
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
@@ -266,22 +267,24 @@ def test_context_parallel_matches_one_process_for_every_family(tmp_path):
     assert torch.load(out, weights_only=True) == []
 
 
-@pytest.mark.slow
-def test_cli_cp2_matches_one_process_and_resumes_at_cp1(tmp_path):
-    """``portatrain parallel.cp=2`` on 2 processes (packed rows with document masks, the default
-    collator) logs one process's losses; its step-2 checkpoint resumes on one process at cp=1 and
-    the next steps' losses match the uninterrupted run's."""
-    from tests.helpers import ROOT, TINY, fit, step_losses, torchrun
+two_processes = shared_launch.declare(
+    "two_processes", 2, {"cp2": [*TINY, "checkpoint.every=2", "parallel.cp=2"]}
+)
 
-    run = [*TINY, "checkpoint.every=2"]
+
+@pytest.mark.slow
+def test_cp2_matches_one_process_and_resumes_at_cp1(two_processes, tmp_path):
+    """cp=2 on 2 processes (packed rows with document masks, the default collator) logs one
+    process's losses; its step-2 checkpoint resumes on one process at cp=1 and the next steps'
+    losses match the uninterrupted run's."""
+    from tests.helpers import fit, step_losses
+
     fit(["checkpoint.every=2"], tmp_path / "one")
     want = step_losses(tmp_path / "one")
-    done = torchrun(2, [*run, "parallel.cp=2", f"run_dir={tmp_path / 'cp2'}"], cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = step_losses(tmp_path / "cp2")
+    got = step_losses(two_processes["cp2"])
     assert got == pytest.approx(want, rel=1e-5), (got, want)
     resumed = tmp_path / "resumed"
-    fit([f"checkpoint.resume={tmp_path / 'cp2' / 'checkpoints' / 'step_0000002'}"], resumed)
+    fit([f"checkpoint.resume={two_processes['cp2'] / 'checkpoints' / 'step_0000002'}"], resumed)
     after = step_losses(resumed)
     assert sorted(after) == [3, 4] and after == pytest.approx({s: want[s] for s in (3, 4)}, rel=1e-5)
 

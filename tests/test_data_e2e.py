@@ -10,7 +10,8 @@ import pytest
 
 from portatrain.checkpoint import complete_checkpoints
 from portatrain.trainer import Trainer
-from tests.helpers import TINY, compose_config, launch_runs, run_cli, step_losses
+from tests import shared_launch
+from tests.helpers import TINY, compose_config, run_cli, step_losses
 from tests.test_tokenizer import make_bpe_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -19,22 +20,48 @@ pytestmark = pytest.mark.slow
 STEPS, STOP = 8, 4
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A BPE tokenizer directory and the bundled corpus prepared with it by ``portatrain prepare``."""
-    root = tmp_path_factory.mktemp("e2e")
-    tokenizer = make_bpe_tokenizer(root / "tokenizer")
+def prepare(root: Path) -> None:
+    """A BPE tokenizer directory (``tokenizer``) and the bundled corpus prepared with it by ``portatrain
+    prepare`` (``corpus``): the two-process launch's setup, or made here when no launch is planned."""
+    make_bpe_tokenizer(root / "tokenizer")
     out = run_cli(
         ["prepare", "out=corpus", "data.tokenizer=tokenizer", "data.num_documents=300", "workers=1"], cwd=root
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "prepared 300 documents" in out.stdout
-    return tokenizer, root / "corpus"
 
 
-def _run(prepared: tuple[Path, Path], *extra: str) -> list[str]:
-    tokenizer, corpus = prepared
+def _run(tokenizer: Path | str, corpus: Path | str, *extra: str) -> list[str]:
     return [*TINY, f"trainer.steps={STEPS}", f"data.dataset={corpus}", f"data.tokenizer={tokenizer}", *extra]
+
+
+# One two-process launch: the uninterrupted run, then a run stopped after step STOP and its resume in
+# the same run directory.
+TWO = ["data.batch_size=4", "parallel.dp_shard=2"]
+PREPARED = (shared_launch.module_path("tokenizer"), shared_launch.module_path("corpus"))
+two_ranks = shared_launch.declare(
+    "two_ranks",
+    2,
+    {
+        "ref": _run(*PREPARED, *TWO, "checkpoint.enabled=false"),
+        "stopped": [*_run(*PREPARED, *TWO), "run_dir=run"],
+        "resumed": [*_run(*PREPARED, *TWO, "checkpoint.resume=auto"), "run_dir=run"],
+    },
+    stop_at={"stopped": STOP},
+    setup=prepare,
+)
+
+
+@pytest.fixture(scope="module")
+def prepared(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The tokenizer and corpus directories: the launch's setup's when the session trains it."""
+    launch = request.getfixturevalue("two_ranks")
+    if launch.planned:
+        root = launch.module_dir
+    else:
+        root = tmp_path_factory.mktemp("e2e")
+        prepare(root)
+    return root / "tokenizer", root / "corpus"
 
 
 class StopAt(Trainer):
@@ -51,7 +78,7 @@ def _loader_position(run_dir: Path, rank: int = 0) -> dict:
 def test_one_rank_trains_resumes_mid_epoch_exports_and_generates(prepared, tmp_path):
     reference_dir = tmp_path / "reference"
     trainer = Trainer(
-        compose_config(_run(prepared, "data.batch_size=8", "checkpoint.enabled=false"), reference_dir)
+        compose_config(_run(*prepared, "data.batch_size=8", "checkpoint.enabled=false"), reference_dir)
     )
     assert trainer.tokenizer.vocab_size == 400 and trainer.data.streaming
     assert trainer.model.embed_tokens.weight.shape[0] == 400  # the embedding follows the tokenizer
@@ -61,12 +88,12 @@ def test_one_rank_trains_resumes_mid_epoch_exports_and_generates(prepared, tmp_p
     assert sorted(reference) == list(range(1, STEPS + 1)) and reference[STEPS] < reference[1]
 
     run_dir = tmp_path / "run"
-    stopped = StopAt(compose_config(_run(prepared, "data.batch_size=8"), run_dir))
+    stopped = StopAt(compose_config(_run(*prepared, "data.batch_size=8"), run_dir))
     stopped.fit()
     stopped.close()
     position = _loader_position(run_dir)
     assert position["epoch"] == 0 and position["batch"] + position["window"] > 0  # mid-epoch
-    resumed = Trainer(compose_config(_run(prepared, "data.batch_size=8", "checkpoint.resume=auto"), run_dir))
+    resumed = Trainer(compose_config(_run(*prepared, "data.batch_size=8", "checkpoint.resume=auto"), run_dir))
     assert resumed.step == STOP
     resumed.fit()
     resumed.close()
@@ -86,16 +113,8 @@ def test_one_rank_trains_resumes_mid_epoch_exports_and_generates(prepared, tmp_p
     assert hf_tok.decode(generated[0], skip_special_tokens=True).startswith(prompt)
 
 
-def test_two_ranks_resume_mid_epoch_bit_exactly(prepared, tmp_path):
-    """One two-process launch: the uninterrupted run, then a run stopped after step STOP and its
-    resume in the same run directory."""
-    two = ["data.batch_size=4", "parallel.dp_shard=2"]
-    runs = {
-        "ref": _run(prepared, *two, "checkpoint.enabled=false"),
-        "stopped": [*_run(prepared, *two), "run_dir=run"],
-        "resumed": [*_run(prepared, *two, "checkpoint.resume=auto"), "run_dir=run"],
-    }
-    dirs = launch_runs(2, runs, tmp_path, stop_at={"stopped": STOP})
+def test_two_ranks_resume_mid_epoch_bit_exactly(two_ranks):
+    dirs = two_ranks
     reference = step_losses(dirs["ref"])
     assert sorted(reference) == list(range(1, STEPS + 1))
 

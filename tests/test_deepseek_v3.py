@@ -33,7 +33,8 @@ from portatrain.models.deepseek_v3.model import (
 )
 from portatrain.plan import describe_plan
 from portatrain.validate import config_problems
-from tests.helpers import TINY, compose_config, fit, run_cli, torchrun, train_records
+from tests import shared_launch
+from tests.helpers import TINY, compose_config, fit, run_cli, train_records
 
 DS3 = [*TINY, "model=deepseek_v3_debug"]
 
@@ -259,19 +260,18 @@ def test_the_published_configs_read_into_the_flavours() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+EP_RUN = [*DS3, "model.bias_update_rate=0.01", "checkpoint.enabled=false"]
+two_processes = shared_launch.declare(
+    "two_processes", 2, {"ep2": [*EP_RUN, "parallel.dp_shard=2", "parallel.ep=2", "data.batch_size=2"]}
+)
+
+
 @pytest.mark.slow
-def test_ep2_matches_one_process(tmp_path: Path) -> None:
+def test_ep2_matches_one_process(two_processes, tmp_path: Path) -> None:
     """Two ranks, each with 4 of the 8 experts and half the global batch of 4, dropless, the bias
     moving every step: the same losses as one process (the bias updates agree across ranks)."""
-    run = [*DS3, "model.bias_update_rate=0.01", "checkpoint.enabled=false"]
-    fit(run, tmp_path / "one")
-    out = torchrun(
-        2,
-        [*run, "parallel.dp_shard=2", "parallel.ep=2", "data.batch_size=2", f"run_dir={tmp_path / 'ep2'}"],
-        cwd=tmp_path,
-    )
-    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-    got, want = train_records(tmp_path / "ep2"), train_records(tmp_path / "one")
+    fit(EP_RUN, tmp_path / "one")
+    got, want = train_records(two_processes["ep2"]), train_records(tmp_path / "one")
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4]
     for g, w in zip(got, want, strict=True):
         assert g["loss"] == pytest.approx(w["loss"], abs=1e-5), (g, w)

@@ -6,8 +6,9 @@ of one rank with ``N * B``). The weights start identical (``parallel.init_full_t
 are the single-device ones (no double division by the dp degree), so the losses agree to fp32
 rounding. Tiny model, five steps: each run takes seconds. FSDP2 and the two "nodes" launch the
 unchanged ``portatrain`` command (the torchrun contract: run directory, output); the two-process
-layouts (TP, HSDP, compiled TP blocks) share one launch (``tests/launch_runs.py``: its processes
-import torch and join the group once), and FSDP2 x TP of Llama and of Qwen 3 another, on four.
+layouts (TP, HSDP, compiled TP blocks) train in the session's two-process launch
+(``tests/shared_launch.py``: its processes import torch and join the group once), and FSDP2 x TP of
+Llama and of Qwen 3 in its four-process one.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from pathlib import Path
 import pytest
 
 from portatrain.trainer import Trainer
+from tests import shared_launch
 from tests.conftest import ROOT, TINY, compose_config
-from tests.helpers import fit, launch_runs, train_records
+from tests.helpers import fit, train_records
 
 pytestmark = pytest.mark.slow
 
@@ -104,13 +106,22 @@ TWO_PROCESS_LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def two_process_layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every two-process layout, trained in one two-process launch."""
-    runs = {
-        name: [*COMMON, *layout, "checkpoint.enabled=false"] for name, layout in TWO_PROCESS_LAYOUTS.items()
-    }
-    return launch_runs(2, runs, tmp_path_factory.mktemp("two_process_layouts"))
+two_process_layouts = shared_launch.declare(
+    "two_process_layouts",
+    2,
+    {name: [*COMMON, *layout, "checkpoint.enabled=false"] for name, layout in TWO_PROCESS_LAYOUTS.items()},
+)
+
+QWEN3 = ["model=qwen3_debug", "trainer.steps=4"]
+FSDP2_X_TP2 = ["parallel.dp_shard=2", "parallel.tp=2", f"data.batch_size={GLOBAL_BATCH // 2}"]
+four_processes = shared_launch.declare(
+    "four_processes",
+    4,
+    {
+        "llama": [*COMMON, *FSDP2_X_TP2, "checkpoint.enabled=false"],
+        "qwen3": [*COMMON, *QWEN3, *FSDP2_X_TP2, "checkpoint.enabled=false"],
+    },
+)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "hsdp_replicate2"])
@@ -120,21 +131,17 @@ def test_layouts_match_one_process(
     _assert_matches(train_records(two_process_layouts[layout]), reference, what=layout)
 
 
-def test_fsdp2_x_tp2_on_four_processes_matches_one_process(tmp_path: Path, reference: list[dict]) -> None:
+def test_fsdp2_x_tp2_on_four_processes_matches_one_process(
+    tmp_path: Path, reference: list[dict], four_processes
+) -> None:
     """The debug Llama, and Qwen 3's tied debug model (one vocabulary-sharded matrix for both ends,
-    q/k norms over TP-sharded heads), in one four-process launch, each against one process."""
-    qwen3 = ["model=qwen3_debug", "trainer.steps=4"]
+    q/k norms over TP-sharded heads), in the four-process launch, each against one process."""
     qwen3_single = tmp_path / "qwen3_single"
-    fit([*COMMON, *qwen3, f"data.batch_size={GLOBAL_BATCH}", "checkpoint.enabled=false"], qwen3_single)
-    layout = ["parallel.dp_shard=2", "parallel.tp=2", f"data.batch_size={GLOBAL_BATCH // 2}"]
-    runs = {
-        "llama": [*COMMON, *layout, "checkpoint.enabled=false"],
-        "qwen3": [*COMMON, *qwen3, *layout, "checkpoint.enabled=false"],
-    }
-    dirs = launch_runs(4, runs, tmp_path)
-    _assert_matches(train_records(dirs["llama"]), reference, what="llama fsdp2 x tp2")
+    fit([*COMMON, *QWEN3, f"data.batch_size={GLOBAL_BATCH}", "checkpoint.enabled=false"], qwen3_single)
+    _assert_matches(train_records(four_processes["llama"]), reference, what="llama fsdp2 x tp2")
     qwen3_reference = train_records(qwen3_single)
-    _assert_matches(train_records(dirs["qwen3"]), qwen3_reference, steps=4, what="qwen3 fsdp2 x tp2")
+    qwen3 = train_records(four_processes["qwen3"])
+    _assert_matches(qwen3, qwen3_reference, steps=4, what="qwen3 fsdp2 x tp2")
 
 
 def test_compiled_blocks_with_tp_and_selective_checkpointing_match(

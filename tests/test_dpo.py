@@ -16,8 +16,9 @@ from portatrain.data.errors import DataError
 from portatrain.data.tokenizer import build_tokenizer
 from portatrain.dpo_trainer import LEGACY_REFERENCE_FILE, REFERENCE_FILE, DPOTrainer
 from portatrain.finetune.dpo import PairLoader, dpo_loss, encode_pairs, read_pairs, sequence_logps
+from tests import shared_launch
 from tests.conftest import TINY, compose_config, run_cli
-from tests.helpers import torchrun, train_records
+from tests.helpers import train_records
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
 
@@ -302,18 +303,29 @@ def test_a_damaged_dpo_reference_is_one_line_and_exit_2(
     assert fit_dpo(resume, tmp_path / "intact").step == 3
 
 
+def write_launch_pairs(module_dir: Path) -> None:
+    """The two-process launch's setup: the pairs (the same as every ``write_pairs`` writes)."""
+    write_pairs(module_dir / "pairs.jsonl")
+
+
+DPO_LORA = ["finetune.dpo.lora=true", "checkpoint.enabled=false"]
+two_processes = shared_launch.declare(
+    "two_processes",
+    2,
+    {
+        "two": dpo_overrides(
+            shared_launch.module_path("pairs.jsonl"), *DPO_LORA, "data.batch_size=4", "parallel.dp_shard=2"
+        )
+    },
+    setup=write_launch_pairs,
+)
+
+
 @pytest.mark.slow
-def test_dpo_lora_fsdp2_two_processes_match_one(tmp_path: Path) -> None:
+def test_dpo_lora_fsdp2_two_processes_match_one(two_processes, tmp_path: Path) -> None:
     pairs = write_pairs(tmp_path / "pairs.jsonl")
-    overrides = dpo_overrides(pairs, "finetune.dpo.lora=true", "checkpoint.enabled=false")
-    fit_dpo([*overrides, "data.batch_size=8"], tmp_path / "one")
-    out = torchrun(
-        2,
-        [*overrides, "data.batch_size=4", "parallel.dp_shard=2", f"run_dir={tmp_path / 'two'}"],
-        cwd=tmp_path,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    want, got = train_records(tmp_path / "one"), train_records(tmp_path / "two")
+    fit_dpo([*dpo_overrides(pairs, *DPO_LORA), "data.batch_size=8"], tmp_path / "one")
+    want, got = train_records(tmp_path / "one"), train_records(two_processes["two"])
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     for g, w in zip(got, want, strict=True):
         for key in ("loss", "dpo/margin", "dpo/rewards_chosen", "dpo/accuracy"):

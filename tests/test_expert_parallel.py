@@ -11,7 +11,7 @@
 * Training under ``torchrun``: ``ep=2`` on 2 processes (both modes; dropless with compiled blocks and
   full activation checkpointing) and on 4 (``dp_shard=4``) equal to one process on the same global batch; a checkpoint saved at ``ep=2`` holds each expert weight
   as one ``[n_experts, ...]`` tensor and resumes in one process with the next losses unchanged. The
-  runs of one world size share one launch (``tests/launch_runs.py``).
+  runs train in the session's launch of their world size (``tests/shared_launch.py``).
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from portatrain.errors import ConfigError
 from portatrain.models import get_spec
 from portatrain.models.common.moe import GroupedExperts, MoE
 from portatrain.parallel.parallel_dims import ParallelDims, layout_problems
+from tests import shared_launch
 from tests.helpers import (
     TINY,
     bf16_tolerance,
     compose_config,
     fit,
-    launch_runs,
     relative_error,
     train_records,
 )
@@ -257,26 +257,24 @@ def _overrides(nproc: int, mode: str, *extra: str, ep: int = 2) -> list[str]:
     return [*MOE, *MODES[mode], f"parallel.dp_shard={nproc}", f"parallel.ep={ep}", per_rank, *extra]
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The ``ep=2`` runs on 2 processes, in one launch: capacity (saving at step 2), and dropless with
-    compiled blocks (aot_eager: dynamo and autograd tracing without inductor's build time) compiled
-    around the expert-parallel MoE layer and full activation checkpointing, which recomputes the
-    exchange in backward."""
-    compiled = ["compile.enabled=true", "compile.backend=aot_eager", "parallel.activation_checkpointing=full"]
-    runs = {
+# The ep=2 runs on 2 processes: capacity (saving at step 2), and dropless with compiled blocks
+# (aot_eager: dynamo and autograd tracing without inductor's build time) compiled around the
+# expert-parallel MoE layer and full activation checkpointing, which recomputes the exchange in backward.
+COMPILED = ["compile.enabled=true", "compile.backend=aot_eager", "parallel.activation_checkpointing=full"]
+two_ranks = shared_launch.declare(
+    "two_ranks",
+    2,
+    {
         "capacity": _overrides(2, "capacity", "checkpoint.every=2"),
-        "dropless_compiled": _overrides(2, "dropless", "checkpoint.enabled=false", *compiled),
-    }
-    return launch_runs(2, runs, tmp_path_factory.mktemp("ep_two_ranks"))
-
-
-@pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """``dp_shard=4`` with ``ep=2`` and ``ep=4`` (capacity), in one 4-process launch."""
-    runs = {f"ep{ep}": _overrides(4, "capacity", "checkpoint.enabled=false", ep=ep) for ep in (2, 4)}
-    dirs = launch_runs(4, runs, tmp_path_factory.mktemp("ep_four_ranks"))
-    return {ep: dirs[f"ep{ep}"] for ep in (2, 4)}
+        "dropless_compiled": _overrides(2, "dropless", "checkpoint.enabled=false", *COMPILED),
+    },
+)
+# dp_shard=4 with ep=2 and ep=4 (capacity).
+four_ranks = shared_launch.declare(
+    "four_ranks",
+    4,
+    {f"ep{ep}": _overrides(4, "capacity", "checkpoint.enabled=false", ep=ep) for ep in (2, 4)},
+)
 
 
 @pytest.mark.slow
@@ -307,8 +305,9 @@ def test_ep2_dropless_compiled_and_checkpointed_matches_one_process(one_process,
     _assert_same_steps(train_records(two_ranks["dropless_compiled"]), one_process["dropless"])
     # The expert weights' gradient norm reduces over (efsdp, ep) in one all_reduce: no DTensor
     # warning on every rank about two sequential ones that may round differently.
-    stderr = (two_ranks["capacity"].parent / "stderr.txt").read_text()
-    assert "sequential all_reduce" not in stderr, stderr[-3000:]
+    for name in ("capacity", "dropless_compiled"):
+        stderr = (two_ranks[name] / "stderr.txt").read_text()
+        assert "sequential all_reduce" not in stderr, (name, stderr[-3000:])
 
 
 @pytest.mark.slow
@@ -316,4 +315,4 @@ def test_ep2_dropless_compiled_and_checkpointed_matches_one_process(one_process,
 def test_ep_over_four_dp_shard_ranks_matches_one_process(one_process, four_ranks, ep: int) -> None:
     # ep=2: dp_shard=4 as (efsdp=2) x (ep=2), each rank's experts also FSDP-sharded over two ranks;
     # ep=4: two of the eight experts on each rank, exchanged among all four.
-    _assert_same_steps(train_records(four_ranks[ep]), one_process["capacity"])
+    _assert_same_steps(train_records(four_ranks[f"ep{ep}"]), one_process["capacity"])

@@ -20,7 +20,8 @@ import torch
 from portatrain.models.common.moe import configure_moe
 from portatrain.models.gpt_oss import GPT_OSS
 from portatrain.models.gpt_oss.model import GPT_OSS_FLAVORS, GPT_OSS_PUBLISHED_ACTIVE, GptOss
-from tests.helpers import TINY, fit, torchrun, train_records
+from tests import shared_launch
+from tests.helpers import TINY, fit, train_records
 
 
 def test_total_and_active_counts_are_the_model_cards() -> None:
@@ -73,25 +74,24 @@ def test_mxfp4_checkpoints_are_refused_with_the_fix() -> None:
         GPT_OSS.hf.from_hf(blocks)
 
 
+EP_RUN = [
+    *TINY,
+    "model=gpt_oss_debug",
+    "model.moe_dispatch=capacity",
+    "model.capacity_factor=4",
+    "checkpoint.enabled=false",
+]
+two_processes = shared_launch.declare(
+    "two_processes", 2, {"ep2": [*EP_RUN, "parallel.dp_shard=2", "parallel.ep=2", "data.batch_size=2"]}
+)
+
+
 @pytest.mark.slow
-def test_capacity_dispatch_with_ep2_matches_one_process(tmp_path: Path) -> None:
+def test_capacity_dispatch_with_ep2_matches_one_process(two_processes, tmp_path: Path) -> None:
     """Two ranks, each with 4 of the 8 experts and half the global batch, capacity dispatch with slots
     for every assignment (nothing dropped, whatever a rank's share): one process's losses."""
-    run = [
-        *TINY,
-        "model=gpt_oss_debug",
-        "model.moe_dispatch=capacity",
-        "model.capacity_factor=4",
-        "checkpoint.enabled=false",
-    ]
-    fit(run, tmp_path / "one")
-    out = torchrun(
-        2,
-        [*run, "parallel.dp_shard=2", "parallel.ep=2", "data.batch_size=2", f"run_dir={tmp_path / 'ep2'}"],
-        cwd=tmp_path,
-    )
-    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-    got, want = train_records(tmp_path / "ep2"), train_records(tmp_path / "one")
+    fit(EP_RUN, tmp_path / "one")
+    got, want = train_records(two_processes["ep2"]), train_records(tmp_path / "one")
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4]
     for g, w in zip(got, want, strict=True):
         assert g["loss"] == pytest.approx(w["loss"], abs=1e-5), (g, w)

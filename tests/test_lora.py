@@ -14,8 +14,9 @@ from portatrain.export import ADAPTER_DIR, export_hf
 from portatrain.finetune.lora import LoRALinear, adapters_disabled, is_adapter_key
 from portatrain.trainer import Trainer
 from portatrain.validate import config_problems
+from tests import shared_launch
 from tests.conftest import TINY, compose_config, run_cli
-from tests.helpers import torchrun, train_records
+from tests.helpers import train_records
 from tests.test_lora_checkpoint import model_keys
 
 transformers = pytest.importorskip("transformers")
@@ -105,19 +106,13 @@ def test_lora_bad_input_is_one_line_each(tmp_path: Path) -> None:
     assert "finetune.lora.rank=-1 must be positive" in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.slow
-def test_lora_fsdp2_x_tp_compiled_checkpointed_chunked_resumes_in_one_process(tmp_path: Path) -> None:
-    """FSDP2 x TP (4 processes), selective activation checkpointing, compiled blocks and the chunked
-    loss train LoRA as one process does (fp32, 1e-5); the checkpoint of step 2 (the adapters; the
-    frozen base saved once beside it) resumes in one process."""
-    common = [*LORA, *SMALL, "trainer.steps=4", "data.num_documents=200"]
-    reference = lora_run(tmp_path / "one", ["trainer.steps=4", "data.num_documents=200", "data.batch_size=8"])
-    want = train_records(reference.run_dir)
-    run_dir = tmp_path / "dist"
-    out = torchrun(
-        4,
-        [
-            *common,
+COMMON = [*LORA, *SMALL, "trainer.steps=4", "data.num_documents=200"]
+four_processes = shared_launch.declare(
+    "four_processes",
+    4,
+    {
+        "dist": [
+            *COMMON,
             "trainer.steps=2",
             "data.batch_size=4",
             "parallel.dp_shard=2",
@@ -126,12 +121,21 @@ def test_lora_fsdp2_x_tp_compiled_checkpointed_chunked_resumes_in_one_process(tm
             "compile.enabled=true",
             "compile.backend=aot_eager",
             "trainer.loss=chunked",
-            f"run_dir={run_dir}",
-        ],
-        cwd=tmp_path,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+        ]
+    },
+)
+
+
+@pytest.mark.slow
+def test_lora_fsdp2_x_tp_compiled_checkpointed_chunked_resumes_in_one_process(
+    four_processes, tmp_path: Path
+) -> None:
+    """FSDP2 x TP (4 processes), selective activation checkpointing, compiled blocks and the chunked
+    loss train LoRA as one process does (fp32, 1e-5); the checkpoint of step 2 (the adapters; the
+    frozen base saved once beside it) resumes in one process."""
+    reference = lora_run(tmp_path / "one", ["trainer.steps=4", "data.num_documents=200", "data.batch_size=8"])
+    want = train_records(reference.run_dir)
+    run_dir = four_processes["dist"]
     # The 4 ranks saved the adapters in the step and the frozen base once, each rank its shards.
     frozen = {n for n, p in reference.model.named_parameters() if not p.requires_grad}
     step, base = complete_checkpoints(run_dir / "checkpoints")[-1], run_dir / "checkpoints" / BASE_DIR
@@ -140,7 +144,7 @@ def test_lora_fsdp2_x_tp_compiled_checkpointed_chunked_resumes_in_one_process(tm
     # Same global batch in one process: data.batch_size=8 (checkpoint.resume continues its data order),
     # the base resharded from 4 ranks to one.
     resumed = run_cli(
-        [*common, "data.batch_size=8", "checkpoint.resume=auto", f"run_dir={run_dir}"], cwd=tmp_path
+        [*COMMON, "data.batch_size=8", "checkpoint.resume=auto", f"run_dir={run_dir}"], cwd=tmp_path
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     got = train_records(run_dir)

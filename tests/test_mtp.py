@@ -16,7 +16,8 @@ from portatrain.models.deepseek_v3 import DEEPSEEK_V3
 from portatrain.models.deepseek_v3 import hf as ds3_hf
 from portatrain.models.spec import RuntimeOptions
 from portatrain.validate import config_problems
-from tests.helpers import TINY, compose_config, fit, launch_runs, train_records
+from tests import shared_launch
+from tests.helpers import TINY, compose_config, fit, train_records
 
 TINY_ARGS = dict(
     dim=32, n_layers=2, vocab_size=40, max_seq_len=32, n_heads=2, n_kv_heads=2, mtp_loss_weight=0.3
@@ -150,8 +151,21 @@ MTP_RUN = [
 ]
 
 
+two_processes = shared_launch.declare(
+    "two_processes",
+    2,
+    {
+        "fsdp2": [*MTP_RUN, "parallel.dp_shard=2", "data.batch_size=2"],
+        "cp2": [*MTP_RUN, "parallel.cp=2"],
+        # the depths' mixture of experts split over the ranks with the main blocks'
+        "ep2": [*MTP_RUN, "parallel.dp_shard=2", "parallel.ep=2", "data.batch_size=2"],
+        "pp2": [*MTP_RUN[:-1], "parallel.pp=2", "parallel.pp_microbatches=2", "checkpoint.every=2"],
+    },
+)
+
+
 @pytest.mark.slow
-def test_fsdp2_cp2_ep2_and_pp2_on_two_processes_match_one(tmp_path: Path) -> None:
+def test_fsdp2_cp2_ep2_and_pp2_on_two_processes_match_one(two_processes, tmp_path: Path) -> None:
     """Two depths on packed 64-token rows (documents cross the context-parallel shards): FSDP2 (half
     the global batch of 4 per rank), context parallel (each rank two chunks of every row, reading
     ahead into the other's), expert parallel (4 of the 8 experts per rank, the depths' too) and
@@ -159,14 +173,7 @@ def test_fsdp2_cp2_ep2_and_pp2_on_two_processes_match_one(tmp_path: Path) -> Non
     summed with the first stage's) give one process's losses and gradient norms, MTP loss included;
     the pipeline's checkpoint resumes in one process."""
     fit(MTP_RUN, tmp_path / "one")
-    runs = {
-        "fsdp2": [*MTP_RUN, "parallel.dp_shard=2", "data.batch_size=2"],
-        "cp2": [*MTP_RUN, "parallel.cp=2"],
-        # the depths' mixture of experts split over the ranks with the main blocks'
-        "ep2": [*MTP_RUN, "parallel.dp_shard=2", "parallel.ep=2", "data.batch_size=2"],
-        "pp2": [*MTP_RUN[:-1], "parallel.pp=2", "parallel.pp_microbatches=2", "checkpoint.every=2"],
-    }
-    dirs = launch_runs(2, runs, tmp_path, OMP_NUM_THREADS="1")
+    dirs = two_processes
     want = train_records(tmp_path / "one")
     assert all(r["mtp_loss"] > 0 for r in want)
     # The pipeline's step-2 checkpoint (the embedding saved once, from both stages) in one process.

@@ -6,9 +6,9 @@
 * The trainer, in this process: 20 steps with a falling loss; a bf16 run within the derived bound of fp32.
 * Sharded matrices on two ranks (two threads of this process): round robin and the gather give one
   process's step to the bit, moving the analytic bytes, uneven shards and both matrix dimensions.
-* Layouts in ONE two-process launch, each against one process over 5 steps (fp32, 1e-5): FSDP2
-  (``dp_shard=2``), TP (``tp=2``), EP (``ep=2``, a tiny Qwen 3 MoE) and PP (``pp=2``); the FSDP2 and
-  PP runs save a checkpoint that resumes in one process with the same next losses (Muon's momentum
+* Layouts in the session's two-process launch (``tests/shared_launch.py``), each against one process
+  over 5 steps (fp32, 1e-5): FSDP2 (``dp_shard=2``), TP (``tp=2``), EP (``ep=2``, a tiny Qwen 3 MoE)
+  and PP (``pp=2``); the FSDP2 and PP runs save a checkpoint that resumes in one process with the same next losses (Muon's momentum
   resharded across the layout change).
 """
 
@@ -27,13 +27,13 @@ from portatrain.config import ModelConfig, MuonConfig, OptimConfig
 from portatrain.models import build_model
 from portatrain.optim import build_optimizer, param_groups
 from portatrain.optim.muon import SHARDED, Muon, assign_owners, orthogonalize, split_params
+from tests import shared_launch
 from tests.helpers import (
     BF16,
     TINY,
     bf16_tolerance,
     decoder_roundings,
     fit,
-    launch_runs,
     train_records,
 )
 from tests.test_command_errors import run
@@ -300,9 +300,10 @@ def test_muon_in_bf16_falls_within_the_bound_of_fp32(
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    runs = {
+layouts = shared_launch.declare(
+    "layouts",
+    2,
+    {
         # Per rank 2 rows: the one-process run's global batch of 4.
         "fsdp2": [*MUON, *NS_FP32, "parallel.dp_shard=2", "data.batch_size=2", "checkpoint.every=3"],
         "tp2": [*MUON, *NS_FP32, "parallel.tp=2", "parallel.dp_shard=1", "checkpoint.enabled=false"],
@@ -332,8 +333,8 @@ def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "data.batch_size=2",
             "checkpoint.enabled=false",
         ],
-    }
-    return launch_runs(2, runs, tmp_path_factory.mktemp("muon_layouts"))
+    },
+)
 
 
 def _assert_same_steps(got: list[dict], want: list[dict]) -> None:

@@ -5,7 +5,8 @@ A run stopped at step 4 on 2 FSDP2 ranks (``data.batch_size=4``) resumes on 1 ra
 sampler continues the same global batches, and every step's loss matches one uninterrupted
 process to fp32 reduction-order rounding. Both runs start from the same Hugging Face directory
 (``model.init_from``), which also checks that FSDP2 ranks load their own slices of it. The
-two-process runs of both directions share one launch (``tests/launch_runs.py``).
+two-process runs of both directions train in the session's two-process launch
+(``tests/shared_launch.py``), after its setup has saved the weights and stopped the one-process run.
 """
 
 from __future__ import annotations
@@ -16,39 +17,15 @@ import pytest
 
 from portatrain.checkpoint import CheckpointError, complete_checkpoints, read_trainer_state
 from portatrain.trainer import Trainer
+from tests import shared_launch
 from tests.conftest import TINY, compose_config
-from tests.helpers import launch_runs, step_losses
+from tests.helpers import step_losses
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 STEPS, STOP = 8, 4
 RUN = [*TINY, f"trainer.steps={STEPS}"]
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Random debug-size Llama weights saved by transformers, sharded."""
-    from portatrain.models.llama.hf import hf_config
-    from portatrain.models.llama.model import LLAMA3_FLAVORS
-
-    out = tmp_path_factory.mktemp("hf") / "llama"
-    config = transformers.LlamaConfig(**hf_config(LLAMA3_FLAVORS["debug"], torch_dtype="float32"))
-    transformers.LlamaForCausalLM(config).save_pretrained(out, max_shard_size="300KB")
-    return out
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, hf_dir: Path) -> dict[int, float]:
-    run_dir = tmp_path_factory.mktemp("reference")
-    trainer = Trainer(
-        compose_config(
-            [*RUN, "data.batch_size=8", "checkpoint.enabled=false", f"model.init_from={hf_dir}"], run_dir
-        )
-    )
-    trainer.fit()
-    trainer.close()
-    return step_losses(run_dir)
 
 
 class StopAt(Trainer):
@@ -59,26 +36,57 @@ class StopAt(Trainer):
             self.preemption.requested = True
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, hf_dir: Path) -> dict[str, Path]:
-    """One process saves at step ``STOP`` (``one_rank``); then ONE two-process launch runs 2 FSDP2 ranks
-    that stop and save at step ``STOP`` (``two_ranks``), and resumes ``one_rank`` on 2 FSDP2 ranks."""
-    tmp_path = tmp_path_factory.mktemp("world_size")
-    one_rank = tmp_path / "one_rank"
-    trainer = StopAt(compose_config([*RUN, "data.batch_size=8", f"model.init_from={hf_dir}"], one_rank))
+def stop_one_rank(module_dir: Path) -> None:
+    """The launch's setup (a fresh process): random debug-size Llama weights saved by transformers,
+    sharded (``hf``), and one process that starts from them and saves at step ``STOP`` (``one_rank``)."""
+    from portatrain.models.llama.hf import hf_config
+    from portatrain.models.llama.model import LLAMA3_FLAVORS
+
+    config = transformers.LlamaConfig(**hf_config(LLAMA3_FLAVORS["debug"], torch_dtype="float32"))
+    transformers.LlamaForCausalLM(config).save_pretrained(module_dir / "hf", max_shard_size="300KB")
+    one_rank = module_dir / "one_rank"
+    trainer = StopAt(
+        compose_config([*RUN, "data.batch_size=8", f"model.init_from={module_dir / 'hf'}"], one_rank)
+    )
     trainer.fit()
     trainer.close()
     assert [p.name for p in complete_checkpoints(one_rank / "checkpoints")] == [f"step_{STOP:07d}"]
-    two = [*RUN, "data.batch_size=4", "parallel.dp_shard=2"]
-    runs = {
+
+
+TWO = [*RUN, "data.batch_size=4", "parallel.dp_shard=2"]
+# Two FSDP2 ranks that stop and save at step STOP (two_ranks), and one_rank resumed on them.
+runs = shared_launch.declare(
+    "runs",
+    2,
+    {
         # The stop's save is asynchronous (FSDP2 shards staged, committed on a gloo group of its own):
         # the run waits for it before ending.
-        "two_ranks": [*two, "checkpoint.async_mode=thread", f"model.init_from={hf_dir}"],
+        "two_ranks": [
+            *TWO,
+            "checkpoint.async_mode=thread",
+            f"model.init_from={shared_launch.module_path('hf')}",
+        ],
         # Its final save through DCP's checkpoint process, one per rank.
-        "one_to_two": [*two, "checkpoint.resume=auto", "checkpoint.async_mode=process", "run_dir=one_rank"],
-    }
-    dirs = launch_runs(2, runs, tmp_path, stop_at={"two_ranks": STOP})
-    return {"one_rank": one_rank, **dirs}
+        "one_to_two": [*TWO, "checkpoint.resume=auto", "checkpoint.async_mode=process", "run_dir=one_rank"],
+    },
+    stop_at={"two_ranks": STOP},
+    setup=stop_one_rank,
+)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, runs) -> dict[int, float]:
+    """One uninterrupted process from the setup's weights."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    hf_dir = runs.module_dir / "hf"  # waits for the setup only
+    trainer = Trainer(
+        compose_config(
+            [*RUN, "data.batch_size=8", "checkpoint.enabled=false", f"model.init_from={hf_dir}"], run_dir
+        )
+    )
+    trainer.fit()
+    trainer.close()
+    return step_losses(run_dir)
 
 
 def _assert_close(got: dict[int, float], want: dict[int, float]) -> None:
@@ -87,7 +95,7 @@ def _assert_close(got: dict[int, float], want: dict[int, float]) -> None:
         assert got[step] == pytest.approx(want[step], abs=1e-5), step
 
 
-def test_two_fsdp2_ranks_save_one_rank_resumes(runs: dict[str, Path], reference: dict) -> None:
+def test_two_fsdp2_ranks_save_one_rank_resumes(runs, reference: dict) -> None:
     run_dir = runs["two_ranks"]
     (ckpt,) = complete_checkpoints(run_dir / "checkpoints")
     state = read_trainer_state(ckpt)
@@ -110,7 +118,7 @@ def test_two_fsdp2_ranks_save_one_rank_resumes(runs: dict[str, Path], reference:
     _assert_close(step_losses(run_dir), reference)
 
 
-def test_one_rank_saves_two_fsdp2_ranks_resume(runs: dict[str, Path], reference: dict) -> None:
+def test_one_rank_saves_two_fsdp2_ranks_resume(runs, reference: dict) -> None:
     run_dir = runs["one_to_two"]  # saved at STOP by one process (the fixture), resumed by two
     _assert_close(step_losses(run_dir), reference)
     assert read_trainer_state(complete_checkpoints(run_dir / "checkpoints")[-1])["world_size"] == 2

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from portatrain.dpo_trainer import DPOTrainer
-from tests.helpers import TINY, compose_config, fit, launch_runs, losses, make_trainer
+from tests import shared_launch
+from tests.helpers import TINY, compose_config, fit, losses, make_trainer
 from tests.test_dpo import dpo_overrides, fit_dpo, write_pairs
 
 UNEVEN = [
@@ -80,18 +81,26 @@ def _cp_shards(rows: torch.Tensor) -> tuple[int, int]:
     return chunks[0] + chunks[3], chunks[1] + chunks[2]
 
 
+uneven_layouts = shared_launch.declare(
+    "uneven_layouts",
+    2,
+    {
+        "dp2": [*TINY, *UNEVEN, "data.batch_size=4", "parallel.dp_shard=2"],
+        "pp2": [*TINY, *UNEVEN, "data.batch_size=4", "parallel.pp=2", "parallel.pp_microbatches=2"],
+        "cp2": [*TINY, *UNEVEN, "data.batch_size=4", "parallel.cp=2"],
+    },
+)
+
+
 @pytest.mark.slow
-def test_data_pipeline_and_context_parallel_with_uneven_tokens_match_one_process(tmp_path: Path) -> None:
-    """One launch of two processes: dp_shard=2 (ranks of uneven counts), pp=2 with two micro-batches
+def test_data_pipeline_and_context_parallel_with_uneven_tokens_match_one_process(
+    uneven_layouts, tmp_path: Path
+) -> None:
+    """In the two-process launch: dp_shard=2 (ranks of uneven counts), pp=2 with two micro-batches
     (micro-batches of uneven counts) and cp=2 (shards of uneven counts: padding sits at the rows' ends),
     each against one process on the same global batch."""
     one = {"dp2": [*UNEVEN, "data.batch_size=8"], "pp2": [*UNEVEN, "data.batch_size=4"]}
     one["cp2"] = one["pp2"]
-    layouts = {
-        "dp2": [*TINY, *UNEVEN, "data.batch_size=4", "parallel.dp_shard=2"],
-        "pp2": [*TINY, *UNEVEN, "data.batch_size=4", "parallel.pp=2", "parallel.pp_microbatches=2"],
-        "cp2": [*TINY, *UNEVEN, "data.batch_size=4", "parallel.cp=2"],
-    }
     dp_rows = row_counts(one["dp2"], tmp_path / "count_dp", 3)
     rows = row_counts(one["pp2"], tmp_path / "count", 3)
     for step in range(3):
@@ -99,7 +108,7 @@ def test_data_pipeline_and_context_parallel_with_uneven_tokens_match_one_process
         c, d = _halves(rows[step].sum(dim=1))  # micro-batch m holds rows [2m, 2m + 2)
         e, f = _cp_shards(rows[step])
         assert a != b and c != d and e != f, step
-    dirs = launch_runs(2, layouts, tmp_path)
+    dirs = uneven_layouts
     for name, overrides in one.items():
         want = losses(fit(overrides, tmp_path / f"one_{name}").run_dir)
         assert losses(dirs[name]) == pytest.approx(want, rel=1e-5), name
