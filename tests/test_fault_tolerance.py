@@ -84,6 +84,45 @@ def test_an_unreachable_lighthouse_is_one_line_naming_it() -> None:
     assert "fault_tolerance.timeout_s=1" in message and f"portatrain lighthouse --port {port}" in message
 
 
+@pytest.mark.parametrize("lighthouse_min", [1, 2], ids=["quorum-below-min-replicas", "no-quorum"])
+def test_a_survivor_without_the_groups_it_needs_stops_with_one_line(lighthouse_min: int) -> None:
+    """A group left alone where a step needs two: a lighthouse that forms a quorum of one fails every
+    commit vote (torchft retried the step for ever, silently: a hang), and one that waits for two
+    never answers (torchft's TimeoutError traceback). Either way, one line within quorum_timeout_s."""
+    pytest.importorskip("torchft")
+    import time
+
+    from torchft.coordination import LighthouseServer
+
+    from portatrain.fault_tolerance import QuorumError, ReplicaGroups
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=lighthouse_min, join_timeout_ms=100)
+    cfg = FaultToleranceConfig(
+        enabled=True, lighthouse=server.address(), group_size=2, min_replicas=2, quorum_timeout_s=1.0
+    )
+    groups = ReplicaGroups(
+        cfg,
+        device_type="cpu",
+        rank=0,
+        world_size=1,
+        state_dict=dict,
+        load_state_dict=lambda state: None,
+        broadcast=lambda value: value,
+    )
+    start = time.monotonic()
+    try:
+        with pytest.raises(QuorumError) as info:
+            while time.monotonic() - start < 30:  # the bound this test checks is 1 s
+                groups.start_step()
+                assert not groups.should_commit()  # one group of the two a step needs
+    finally:
+        groups.close()
+        server.shutdown()
+    message = str(info.value)
+    assert "\n" not in message and "fault_tolerance.quorum_timeout_s=1" in message, message
+    assert ("no quorum" if lighthouse_min == 2 else "set fault_tolerance.min_replicas=1") in message, message
+
+
 def test_a_bad_fault_tolerance_value_is_one_line_and_exit_2(tmp_path: Path) -> None:
     out = run_cli(
         [

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
@@ -57,6 +58,11 @@ PROCESS_GROUPS = {"cpu": "ProcessGroupGloo", "cuda": "ProcessGroupNCCL"}
 
 class LighthouseError(UserError):
     """No lighthouse answered at the configured address within ``fault_tolerance.timeout_s``."""
+
+
+class QuorumError(UserError):
+    """No quorum, or no step committed, within ``fault_tolerance.quorum_timeout_s``: the replica groups
+    a step needs are not running (a survivor stops with this line instead of waiting for ever)."""
 
 
 def lighthouse_problem(address: str, key: str) -> str | None:
@@ -241,15 +247,28 @@ def _quiet_torchft_logs(device_type: str) -> None:
     wherever torch has no ``_reset_fr_recording_nccl``: the recorder traces NCCL collectives, and a
     gloo group has none to trace."""
     os.environ.setdefault("RUST_LOG", "warn")
+    manager = logging.getLogger("torchft.manager")
+    if manager.level == logging.NOTSET:
+        manager.addFilter(_without_traceback)
     for name in TORCHFT_LOGGERS:
         if logging.getLogger(name).level == logging.NOTSET:
             logging.getLogger(name).setLevel(logging.WARNING)
     if device_type != "cuda":
-        logging.getLogger("torchft.manager").addFilter(_not_the_flight_recorder_warning)
+        manager.addFilter(_not_the_flight_recorder_warning)
 
 
 def _not_the_flight_recorder_warning(record: logging.LogRecord) -> bool:
     return "Unable to reset NCCL flight recorder" not in record.getMessage()
+
+
+def _without_traceback(record: logging.LogRecord) -> bool:
+    """torchft's Manager logs each error it handles -- a peer group that died during the all-reduce,
+    the process group's reconfiguration or a recovery -- with ``logger.exception`` (torchft/manager.py,
+    ``_ManagerLogger.exception``): the message names the error, the traceback is torchft's own frames,
+    and the step is then retried (or the group drops the peer). One line is what a user needs; the
+    traceback stays with a level chosen for ``torchft.manager``."""
+    record.exc_info, record.exc_text = None, None
+    return True
 
 
 class ReplicaGroups:
@@ -335,14 +354,27 @@ class ReplicaGroups:
         # A group resumed from a checkpoint counts from its step; one behind the others is healed.
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         self._participants = 0
+        self._lighthouse = lighthouse
+        self._progress: float | None = None  # when a step last committed (or the first quorum formed)
 
     def start_step(self) -> bool:
         """The quorum for the next step. True when this group was behind and has just loaded a healthy
         group's state (its step, data position and RNG changed: the caller re-reads them)."""
         before = self.manager.current_step()
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        # torchft's client after quorum_timeout ("status: Cancelled, message: "Timeout expired"").
+        except TimeoutError:
+            raise QuorumError(
+                f"replica group {self.cfg.replica_id}: no quorum within fault_tolerance.quorum_timeout_s="
+                f"{self.cfg.quorum_timeout_s:g} from the lighthouse at {self._lighthouse}, which waits for more "
+                "replica groups than are running (its --min-replicas); start the missing groups, or serve the "
+                "lighthouse with a --min-replicas the running groups meet"
+            ) from None
         participants = self.manager.num_participants()
         healed = self.manager.current_step() != before
+        if self._progress is None or healed:
+            self._progress = time.monotonic()
         if participants != self._participants or healed:
             logger.info(
                 "replica group %d: quorum of %d replica group(s) at step %d%s",
@@ -373,8 +405,25 @@ class ReplicaGroups:
 
     def should_commit(self) -> bool:
         """Whether every rank of this group, in a quorum of at least ``min_replicas`` groups, finished
-        the step (torchft's vote): only then may the optimizer step, the schedule and the counters move."""
-        return self.manager.should_commit()
+        the step (torchft's vote): only then may the optimizer step, the schedule and the counters move.
+
+        A step that does not commit is retried; for no more than ``fault_tolerance.quorum_timeout_s``
+        since the last one that did. A quorum smaller than ``min_replicas`` (the lighthouse serves one
+        group when the others are gone) fails every vote, and torchft retries it without end (its
+        ``max_retries`` is None): the group would repeat one step, silently, for ever."""
+        if self.manager.should_commit():
+            self._progress = time.monotonic()
+            return True
+        stalled = time.monotonic() - (self._progress or time.monotonic())
+        if stalled > self.cfg.quorum_timeout_s:
+            participants = self.manager.num_participants()
+            raise QuorumError(
+                f"replica group {self.cfg.replica_id}: no step committed for {stalled:.0f} s "
+                f"(fault_tolerance.quorum_timeout_s={self.cfg.quorum_timeout_s:g}) in a quorum of {participants} "
+                f"replica group(s), fault_tolerance.min_replicas={self.cfg.min_replicas}; start the missing "
+                f"groups, or set fault_tolerance.min_replicas={max(participants, 1)} to train on without them"
+            )
+        return False
 
     def close(self, model: torch.nn.Module | None = None) -> None:
         """Log this rank's weights digest (equal across groups after recovery), leave the quorum."""

@@ -213,7 +213,8 @@ class FaultToleranceConfig:
     timeout_s: float = 60.0
     """Seconds a cross-group collective, a commit vote or a state transfer may take before the step fails."""
     quorum_timeout_s: float = 120.0
-    """Seconds to wait for a quorum of replica groups (longer than a step)."""
+    """Seconds to wait for a quorum of replica groups (longer than a step), and to retry steps that do
+    not commit (fewer than ``min_replicas`` groups left) before the group stops with one line."""
 
 
 @dataclass
