@@ -7,7 +7,8 @@
 * Under ``torchrun`` (slow tier), in the session's launch of each world size (``tests/shared_launch.py``): every schedule
   on 2 processes, pp2 x dp2 and pp2 x tp2 on 4 (with activation checkpointing and compiled blocks),
   pp2 x dp2 x tp2 on 8, each equal to one process on the same global batch within 1e-5 (and 1F1B in
-  bf16 against one process in bf16, within the bound of ``tests/helpers.py``); evaluation
+  bf16 against one process in bf16, within the bound of ``tests/helpers.py``, and Interleaved1F1B with tied
+  embeddings, the last stage holding a copy of the first's matrix); evaluation
   through the pipeline; a checkpoint saved at pp=2 on 2 processes resumes at pp=1 on one and at pp=4 on
   4, one saved at pp=1 resumes at pp=2 with two stages a rank, and ``portatrain export`` reads a
   pipelined checkpoint; pp2 x dp2 and pp2 x tp2 on ``device=sim`` equal to one process too.
@@ -55,6 +56,7 @@ from tests.helpers import (
 STEPS = 3
 RUN = [*TINY, f"trainer.steps={STEPS}", "checkpoint.enabled=false"]  # 4 rows of 64 tokens a step
 PP2 = ["parallel.pp=2", "parallel.pp_microbatches=2"]
+TIED = "model.tie_embeddings=true"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,16 +248,19 @@ ONE_PROCESS = [*RUN, "trainer.eval_every=3"]
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     """One process, global batch 4: the training records and the evaluation loss; and the training
-    records of the same run in bf16 (``bf16``)."""
+    records of the same run in bf16 (``bf16``) and with tied embeddings (``tied``)."""
     run_dir = tmp_path_factory.mktemp("one")
     fit(ONE_PROCESS, run_dir)
     records = read_metrics(run_dir)
     bf16_dir = tmp_path_factory.mktemp("one_bf16")
     fit([*RUN, *BF16], bf16_dir)
+    tied_dir = tmp_path_factory.mktemp("one_tied")
+    fit([*RUN, TIED], tied_dir)
     return {
         "train": [r for r in records if "loss" in r],
         "eval": [r["eval_loss"] for r in records if "eval_loss" in r],
         "bf16": train_records(bf16_dir),
+        "tied": train_records(tied_dir),
     }
 
 
@@ -300,6 +305,8 @@ TWO_PROCESSES = {
     ],
     "InterleavedZeroBubble": [*RUN, *PP2, *INTERLEAVED, "parallel.pp_schedule=InterleavedZeroBubble"],
     "1F1B_bf16": [*RUN, *PP2, *BF16],
+    # One matrix at both ends: the last of the 4 stages (on rank 1) holds a copy of the first's.
+    "Interleaved1F1B_tied": [*RUN, *PP2, *INTERLEAVED, "parallel.pp_schedule=Interleaved1F1B", TIED],
     "ZBVZeroBubble": [
         *RUN,
         *PP2,
@@ -325,8 +332,9 @@ def test_every_schedule_on_two_processes_matches_one_process_and_checkpoints_mov
     dirs = two_processes
     want = one_process["train"]
     for name in dirs:
-        if name not in ("from_pp1", "1F1B_bf16"):
+        if name not in ("from_pp1", "1F1B_bf16", "Interleaved1F1B_tied"):
             _assert_same_steps(train_records(dirs[name]), want, name)
+    _assert_same_steps(train_records(dirs["Interleaved1F1B_tied"]), one_process["tied"], "tied embeddings")
     # bf16 (autocast; the stages exchange bf16 and fp32 activations as autocast leaves them) against
     # one process in bf16: two bf16 runs of the 4-block debug model, within the bound derived in
     # tests/helpers.py (losses 9.9e-2, gradient norms 1.7e-1 relative; measured: 4e-5 and 3e-4).
