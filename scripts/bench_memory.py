@@ -8,14 +8,23 @@ the tensors) + the step's peak above that. The estimate is the model family's
 ``spec.estimate_memory`` with the arguments ``dry_run=true`` passes (``portatrain.plan``). FSDP2
 cases run the same on 2 gloo processes (``torch.multiprocessing``) and report rank 0.
 
-    OMP_NUM_THREADS=1 python scripts/bench_memory.py                 # every case
+Each case runs in a fresh process, so the process's peak resident set (``ru_maxrss``, what the
+Trainer logs as ``peak_rss`` on CPU) is the case's own: it is printed beside the allocator's peak
+(RSS adds the interpreter, torch's libraries and the allocator's cached pages).
+
+The published shapes (``REAL``: Qwen3-0.6B and Llama-3.2-1B, full fine-tune and LoRA, batch 1 x 256)
+are not in the default set: they need ~12 and ~20 GiB of memory and minutes each.
+
+    OMP_NUM_THREADS=1 python scripts/bench_memory.py                 # the small cases
     OMP_NUM_THREADS=1 python scripts/bench_memory.py --cases small-none small-full
+    OMP_NUM_THREADS=1 python scripts/bench_memory.py --cases qwen3-0.6b-full qwen3-0.6b-lora
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import socket
 import sys
 import tempfile
@@ -77,6 +86,16 @@ CASES: dict[str, list[str]] = {
     "small-fsdp2": [*SMALL, "data.batch_size=4", "data.seq_len=256"],
 }
 DISTRIBUTED = {"small-fsdp2": 2}
+# The published shapes, embedding included: with the byte tokenizer a run builds the tokenizer's 258
+# rows unless model.vocab_size names the checkpoint's (Qwen3: 151,936; Llama 3.2: 128,256).
+QWEN3_0_6B = ["model=qwen3_0_6b", "model.vocab_size=151936", "data.batch_size=1", "data.seq_len=256"]
+LLAMA3_1B = ["model=llama3_1b", "model.vocab_size=128256", "data.batch_size=1", "data.seq_len=256"]
+REAL: dict[str, list[str]] = {
+    "qwen3-0.6b-full": QWEN3_0_6B,
+    "qwen3-0.6b-lora": [*QWEN3_0_6B, "finetune.method=lora"],
+    "llama3-1b-full": LLAMA3_1B,
+    "llama3-1b-lora": [*LLAMA3_1B, "finetune.method=lora"],
+}
 
 
 def state_bytes(trainer) -> int:
@@ -105,12 +124,20 @@ def measure(overrides: list[str], run_dir: Path) -> dict:
         before = state_bytes(trainer)
         delta = measured_peak_bytes(lambda: trainer.train_step([batch]))
         estimate = estimate_for_config(cfg, world_size=trainer.dist.world_size)
-        return {"measured": before + delta, "state": before, "estimate": estimate}
+        return {
+            "measured": before + delta,
+            "state": before,
+            "estimate": estimate,
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+        }
     finally:
         trainer.close()
 
 
 def _worker(rank: int, world: int, port: int, overrides: list[str], run_dir: str, out: str) -> None:
+    if world == 1:  # one process, no process group: as ``portatrain`` runs without torchrun
+        torch.save(measure(overrides, Path(run_dir)), out)
+        return
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -128,15 +155,13 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], run_dir: str
 
 def run_case(name: str, tmp: Path) -> dict:
     world = DISTRIBUTED.get(name, 1)
-    if world == 1:
-        return measure(CASES[name], tmp / name)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp / f"{name}.pt"
     mp.start_processes(
         _worker,
-        args=(world, port, CASES[name], str(tmp / name), str(out)),
+        args=(world, port, (CASES | REAL)[name], str(tmp / name), str(out)),
         nprocs=world,
         join=True,
         start_method="spawn",
@@ -146,9 +171,12 @@ def run_case(name: str, tmp: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=[*CASES, *REAL])
     args = parser.parse_args()
-    print(f"{'case':<20}{'estimate':>10}{'measured':>10}{'est/meas':>9}   estimate components (MiB)")
+    print(
+        f"{'case':<20}{'estimate':>10}{'measured':>10}{'est/meas':>9}{'peak RSS':>10}{'est/RSS':>8}"
+        "   estimate components (MiB)"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.cases:
             r = run_case(name, Path(tmp))
@@ -156,7 +184,8 @@ def main() -> None:
             parts = ", ".join(f"{k} {v / MIB:.1f}" for k, v in est.items() if k != "total")
             print(
                 f"{name:<20}{est['total'] / MIB:>8.1f} M{r['measured'] / MIB:>8.1f} M"
-                f"{est['total'] / r['measured']:>9.3f}   {parts}; measured state {r['state'] / MIB:.1f}",
+                f"{est['total'] / r['measured']:>9.3f}{r['peak_rss'] / MIB:>8.1f} M"
+                f"{est['total'] / r['peak_rss']:>8.3f}   {parts}; measured state {r['state'] / MIB:.1f}",
                 flush=True,
             )
 

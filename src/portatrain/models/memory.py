@@ -19,10 +19,17 @@ its own estimate and registers that in its ``ModelSpec.estimate_memory``.
   the reduce-scatter. A unit is one transformer block, or the embedding / output projection if larger.
 * ``activations`` -- tensors saved for backward (formula below) plus the output head's buffers.
 
+* ``tied_grad_sum`` -- only for tied input and output embeddings (``tie_embeddings``) that train: the
+  matrix gets two gradients, the output projection's (computed first, kept by autograd through the
+  whole backward) and the lookup's (``embedding_dense_backward``, last), and autograd sums them out of
+  place into the parameter's gradient, so at the end of backward both summands (``2 V h``, unsharded)
+  are alive beside every gradient. Measured at Qwen3-0.6B: 1.16 GiB, the whole of the estimate's
+  former shortfall (0.885 of the allocator's peak; docs/benchmarks.md).
+
 ``total`` is not the sum of the components: gradients and activations peak at different times. At
 the start of backward every activation is alive and only the output head's gradient exists; at the
 end every gradient exists and the activations are gone. So ``total = params + optimizer +
-fsdp_buffers + max(activations + output-head gradient, grads)``.
+fsdp_buffers + max(activations + output-head gradient, grads + tied_grad_sum)``.
 
 It does not count the CUDA/XLA caching allocator's fragmentation, framework workspaces, the data
 batch, a packed attention mask (``B * S * S`` bytes) or the optimizer step's temporaries; leave
@@ -187,7 +194,8 @@ def estimate_memory(
             train; the architecture's own are frozen. None: every parameter trains.
 
     Returns:
-        ``params``, ``grads``, ``optimizer``, ``fsdp_buffers``, ``activations`` and ``total``, in bytes.
+        ``params``, ``grads``, ``optimizer``, ``fsdp_buffers``, ``activations`` (``tied_grad_sum`` too
+        for tied embeddings that train) and ``total``, in bytes.
     """
     grad_dtype_bytes = param_dtype_bytes if grad_dtype_bytes is None else grad_dtype_bytes
     act_bytes = param_dtype_bytes if activation_dtype_bytes is None else activation_dtype_bytes
@@ -210,18 +218,21 @@ def estimate_memory(
     tokens = batch_size * seq_len
     head = _head_activations(args, tokens, act_bytes, loss_chunk_size)
     activations = _ceil_div(tokens * per_token_blocks + max(head, tokens * per_token_recompute), tp_degree)
+    # A tied matrix's two gradients, alive together while autograd sums them (module docstring).
+    tied = getattr(args, "tie_embeddings", False) and lora_params is None
+    tied_sum = _ceil_div(2 * args.vocab_size * args.dim * grad_dtype_bytes, tp_degree) if tied else 0
     # Gradients and activations peak at different times: at the start of backward every
     # activation is alive but only the output head's gradient exists; at its end every gradient
     # exists and the activations are gone.
-    total = params + optimizer + fsdp_buffers + max(activations + head_grad, grads)
-    return {
+    total = params + optimizer + fsdp_buffers + max(activations + head_grad, grads + tied_sum)
+    estimate = {
         "params": params,
         "grads": grads,
         "optimizer": optimizer,
         "fsdp_buffers": fsdp_buffers,
         "activations": activations,
-        "total": total,
     }
+    return estimate | ({"tied_grad_sum": tied_sum} if tied else {}) | {"total": total}
 
 
 def _persistent_state(
@@ -457,9 +468,9 @@ def format_memory_report(estimate: dict[str, int], *, title: str | None = None) 
     what of it the peak (``total``) holds, and that as a share of the total (the shares add up to 100%).
 
     Gradients and activations peak at different times (``total = params + optimizer + fsdp_buffers
-    + max(activations + the output head's gradient, grads)``), so the peak holds either every
-    activation and only the head's gradient (the start of backward) or every gradient and no
-    activation (its end): which one follows from ``total``.
+    + max(activations + the output head's gradient, grads + tied_grad_sum)``), so the peak holds either
+    every activation and only the head's gradient (the start of backward) or every gradient (with a
+    tied matrix's two summands) and no activation (its end): which one follows from ``total``.
     """
     total = estimate["total"]
     held = {name: value for name, value in estimate.items() if name != "total"}
@@ -468,10 +479,12 @@ def format_memory_report(estimate: dict[str, int], *, title: str | None = None) 
         held.values()
     ):
         rest = total - estimate["params"] - estimate["optimizer"] - estimate["fsdp_buffers"]
-        if rest == estimate["grads"]:  # the end of backward
+        if rest == estimate["grads"] + estimate.get("tied_grad_sum", 0):  # the end of backward
             held["activations"], phase = 0, "the end of backward: every gradient, no activation"
         else:  # the start of backward
             held["grads"] = rest - estimate["activations"]
+            if "tied_grad_sum" in held:
+                held["tied_grad_sum"] = 0
             grads = "the output head's gradient only" if held["grads"] else "no gradient yet"
             phase = f"the start of backward: every activation, {grads}"
     lines = [title] if title else []
