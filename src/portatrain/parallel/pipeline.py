@@ -155,8 +155,8 @@ def _rank_model(shell: nn.Module, parts: Sequence[nn.Module]) -> nn.Module:
     """
     last = next((p for p in parts if p.norm is not None), None)
     # The last stage's copy of the embedding goes by the embedding's own name (a checkpoint holds it once).
-    copy = None if last is None else _embedding_copy(last)
-    shell.embed_tokens = next((p.embed_tokens for p in parts if p.embed_tokens is not None), copy)
+    last_copy = None if last is None else _embedding_copy(last)
+    shell.embed_tokens = next((p.embed_tokens for p in parts if p.embed_tokens is not None), last_copy)
     blocks = {name: block for part in parts for name, block in part.layers.items()}
     shell.layers = nn.ModuleDict({name: blocks[name] for name in sorted(blocks, key=int)})
     shell.norm = None if last is None else last.norm
@@ -181,13 +181,13 @@ def _embedding_group(parallel_dims: ParallelDims) -> Any:
 
 
 @torch.no_grad()
-def _share_embedding(model: nn.Module, group: Any, *, copy: bool) -> None:
-    """Mark this rank's embedding matrix (``copy``: the last stage's) as summed over ``group`` and give
+def _share_embedding(model: nn.Module, group: Any, *, is_copy: bool) -> None:
+    """Mark this rank's embedding matrix (``is_copy``: the last stage's) as summed over ``group`` and give
     the copy the first stage's values (zeroed, then summed: Megatron-LM's start, which holds for any
     initialization)."""
     weight = model.embed_tokens.weight
     setattr(weight, SHARED_GROUP, group)
-    if copy:
+    if is_copy:
         setattr(weight, PIPELINE_COPY, True)
         weight.zero_()
     torch.distributed.all_reduce(_local(weight), group=group)
@@ -215,6 +215,10 @@ def sum_shared_grads(parameters: Iterable[torch.Tensor]) -> None:
             continue
         if param.grad is None:  # both ranks join the collective
             param.grad = torch.zeros_like(param)
+        elif isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+            # Laid out as the parameter, so the two stages' local shards are the same rows (a tensor-
+            # parallel embedding's gradient can come back replicated where its matrix is vocabulary-sharded).
+            param.grad = param.grad.redistribute(param.device_mesh, param.placements)
         torch.distributed.all_reduce(_local(param.grad), group=group)
 
 
@@ -401,7 +405,7 @@ def build_pipeline(
     if embedding_on_last_stage(model.args):
         group = _embedding_group(parallel_dims)
         if shell.embed_tokens is not None:
-            _share_embedding(shell, group, copy=0 not in ids)
+            _share_embedding(shell, group, is_copy=0 not in ids)
     return Pipeline(
         shell,
         parts,
