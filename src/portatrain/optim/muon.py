@@ -8,7 +8,9 @@ one optimizer object.
   (``algorithm="muon"`` / ``"adamw"``): one ``state_dict``, so the checkpointer saves and reshards it
   through DCP's ``get_optimizer_state_dict`` like any optimizer;
 - :func:`orthogonalize` -- Newton-Schulz on the last two dimensions (one matrix, or one per expert),
-  gathering a DTensor's matrix dimensions first where they are sharded.
+  gathering a DTensor's matrix dimensions first where they are sharded;
+- :func:`orthogonalize_round_robin` -- the same for a step's sharded matrices together, each whole on
+  one owner rank (:func:`assign_owners`) and back, in two all-to-alls (Muon's default).
 
 The algorithm is ``torch.optim.Muon``'s (``torch/optim/_muon.py`` in PyTorch 2.13): momentum by
 ``lerp``, Nesterov's look-ahead, five quintic Newton-Schulz steps in bf16 with Keller Jordan's
