@@ -5,6 +5,7 @@
 * After the post-step hook (fp32): every clipped head's recomputed largest logit is tau (1e-5), the
   other heads' logits do not move, and a key group with no clipped head keeps its weights to the bit;
   grouped-query attention (Llama) and latent attention (DeepSeek-V3: the shared rotary key untouched).
+* The same in bf16 (autocast): within a bound derived from the roundings of q and k.
 * A skipped step scales nothing and forgets its maxima; an evaluation forward records none.
 * The runs QK-clip refuses: one line each, exit 2.
 
@@ -26,6 +27,7 @@ from portatrain.models.common.masks import window_mask
 from portatrain.models.common.qk_clip import attention_layers, max_logits
 from portatrain.models.spec import RuntimeOptions
 from portatrain.optim import optim_problems
+from tests.helpers import bf16_tolerance
 from tests.test_command_errors import run
 
 
@@ -156,6 +158,30 @@ def test_clipped_heads_land_on_tau_and_the_others_do_not_move(family: str) -> No
                 same = torch.equal(layer.q_proj.weight[rows], weights[f"{prefix}.q_proj.weight"][rows])
                 assert same == (not clipped[i, 2 * group : 2 * group + 2].any()), (i, group)
         assert f"{prefix}.o_proj.weight" not in moved
+
+
+def test_in_bf16_clipped_heads_land_on_tau_within_the_derived_bound() -> None:
+    model = _model("llama3", dim=64, n_heads=4, n_kv_heads=2, n_layers=2)
+    hooks = _clip_hooks(model, 1.0)
+    tokens = torch.randint(0, 258, (2, 24), generator=torch.Generator().manual_seed(3))
+    # One autocast region per forward, as the trainer's: a region caches its bf16 copies of the weights.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inputs = _inputs(model, tokens, None)
+        before = _maxima(model, inputs)
+    hooks.threshold = tau = float(before[0, :2].mean())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(tokens)
+    hooks.post_optimizer_step(torch.tensor(True))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        after = _maxima(model, inputs)
+    clipped = before > tau
+    assert 0 < clipped.sum() < clipped.numel(), before
+    # Each measured logit is a dot product of bf16 queries and keys, each a bf16 rounding of the
+    # projection (1) of a rounded input (1), then rotated (1): 3 roundings per side, 6 in all, summed
+    # in fp32. The clip divides by one such measurement and the check takes another: twice the bound.
+    bound = 2 * bf16_tolerance(6)
+    assert ((after[clipped] - tau).abs() <= bound * tau).all(), (after, tau, bound)
+    assert ((after[~clipped] - before[~clipped]).abs() <= bound * before[~clipped]).all(), (after, before)
 
 
 def test_a_skipped_step_scales_nothing_and_forgets_its_maxima() -> None:
