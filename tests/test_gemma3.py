@@ -23,7 +23,7 @@ from tests import shared_launch
 from tests.helpers import TINY, fit, train_records
 
 GEMMA = [*TINY, "model=gemma3_debug", "checkpoint.enabled=false", "trainer.steps=3"]
-# Untied: a pipeline refuses a matrix shared by its first and last stages.
+# Untied (a tied head under a pipeline, the last stage holding a copy, is tests/test_pipeline.py's).
 UNTIED = [*GEMMA, "model.tie_embeddings=false"]
 two_processes = shared_launch.declare(
     "two_processes",
