@@ -77,7 +77,8 @@ def _params(shapes: dict[str, tuple[int, int]], device: torch.device, seed: int 
 
 
 def _optimizers(params: list[torch.Tensor], ns_dtype: str, sharded: tuple[str, ...] = ()) -> dict:
-    """AdamW and Muon over ``params``; with ``sharded``, one Muon per way of orthogonalizing a sharded matrix."""
+    """AdamW and Muon over ``params``; with ``sharded``, one Muon per way of orthogonalizing a sharded
+    matrix."""
     muon = {
         f"muon {way}" if sharded else "muon": Muon(
             [{"params": params, "algorithm": "muon"}], lr=1e-4, ns_dtype=ns_dtype, sharded=way

@@ -8,8 +8,8 @@
   process's step to the bit, moving the analytic bytes, uneven shards and both matrix dimensions.
 * Layouts in the session's two-process launch (``tests/shared_launch.py``), each against one process
   over 5 steps (fp32, 1e-5): FSDP2 (``dp_shard=2``), TP (``tp=2``), EP (``ep=2``, a tiny Qwen 3 MoE)
-  and PP (``pp=2``); the FSDP2 and PP runs save a checkpoint that resumes in one process with the same next losses (Muon's momentum
-  resharded across the layout change).
+  and PP (``pp=2``); the FSDP2 and PP runs save a checkpoint that resumes in one process with the
+  same next two steps (the second moved by Muon's momentum, resharded across the layout change).
 """
 
 from __future__ import annotations

@@ -321,7 +321,8 @@ class Muon(torch.optim.Optimizer):
         if sharded not in SHARDED:
             raise ValueError(f"Muon's sharded={sharded!r} is not one of {', '.join(SHARDED)}")
         self.sharded = sharded
-        """How a sharded matrix is orthogonalized (:data:`SHARDED`); not state: a checkpoint resumes under either."""
+        """How a sharded matrix is orthogonalized (:data:`SHARDED`); not state: a checkpoint resumes
+        under either."""
         self._algorithm_defaults = {
             "muon": {
                 "momentum": momentum,
