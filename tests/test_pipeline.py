@@ -377,6 +377,9 @@ four_processes = shared_launch.declare(
             "compile.backend=aot_eager",
         ],
         "pp2_tp2": [*RUN, *PP2, "parallel.tp=2", "parallel.activation_checkpointing=selective"],
+        # Tied: the copy's vocabulary shards summed with the embedding's (tp); first and last of 4 stages.
+        "pp2_tp2_tied": [*RUN, *PP2, "parallel.tp=2", TIED],
+        "pp4_tied": [*RUN, "parallel.pp=4", "parallel.pp_microbatches=4", TIED],
         # The two-process launch's 1F1B checkpoint (it runs first: launches go in order of size).
         "pp2_to_pp4": [
             *RUN,
@@ -392,10 +395,12 @@ four_processes = shared_launch.declare(
 def test_pp2_with_fsdp2_and_with_tp2_on_four_processes_matches_one_process(
     one_process, two_processes, four_processes
 ) -> None:
-    """pp2 x dp2 (also interleaved, checkpointed and compiled) and pp2 x tp2 against one process; the
-    checkpoint two processes saved at pp=2 (step 2) resumes at pp=4, one block a stage, on four."""
+    """pp2 x dp2 (also interleaved, checkpointed and compiled) and pp2 x tp2 against one process (tied
+    embeddings too, and at pp=4); the checkpoint two processes saved at pp=2 (step 2) resumes at pp=4,
+    one block a stage, on four."""
     assert (two_processes["1F1B"] / "checkpoints" / "step_0000002").is_dir()
-    want = {name: one_process["train"] for name in four_processes} | {"pp2_to_pp4": one_process["train"][2:]}
+    want = {name: one_process["tied" if "tied" in name else "train"] for name in four_processes}
+    want["pp2_to_pp4"] = one_process["train"][2:]
     for name, run_dir in four_processes.items():
         _assert_same_steps(train_records(run_dir), want[name], name)
 

@@ -217,7 +217,7 @@ def sum_shared_grads(parameters: Iterable[torch.Tensor]) -> None:
             param.grad = torch.zeros_like(param)
         elif isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
             # Laid out as the parameter, so the two stages' local shards are the same rows (a tensor-
-            # parallel embedding's gradient can come back replicated where its matrix is vocabulary-sharded).
+            # parallel embedding's gradient can come back whole where its matrix is vocabulary-sharded).
             param.grad = param.grad.redistribute(param.device_mesh, param.placements)
         torch.distributed.all_reduce(_local(param.grad), group=group)
 
