@@ -213,12 +213,20 @@ def test_refused_runs_are_one_line_each_exit_2(
     ]
     monkeypatch.chdir(tmp_path)
     status, err = run(
-        ["device=cpu", "dry_run=true", "model=qwen3_debug", "optim.qk_clip=100", "finetune.method=lora"],
+        [
+            "device=cpu",
+            "dry_run=true",
+            "model=qwen3_debug",
+            "optim.qk_clip=100",
+            "finetune.method=lora",
+            "parallel.cp=2",
+        ],
         capsys,
     )
     assert status == 2 and "Traceback" not in err, err[-3000:]
     for expected in (
         "optim.qk_clip=100.0: this model normalizes queries and keys after their projections (qk_norm=head)",
         "optim.qk_clip=100.0 with LoRA",
+        "optim.qk_clip=100.0 with parallel.cp=2",
     ):
         assert sum(expected in line for line in err.splitlines()) == 1, (expected, err)

@@ -136,7 +136,9 @@ def _cross_stage_problems(cfg: Config) -> list[str]:
     if args is not None:  # the layouts the family's parallel plan cannot apply
         problems += get_spec(cfg.model.name).parallel_problems(cfg.parallel, args)
     lora = cfg.finetune.method == "lora" or (cfg.finetune.method == "dpo" and cfg.finetune.dpo.lora)
-    problems += qk_clip_problems(cfg.optim.qk_clip, cfg.parallel, args, lora=lora)
+    problems += qk_clip_problems(
+        cfg.optim.qk_clip, cfg.parallel, args, lora=lora, replica_groups=cfg.fault_tolerance.enabled
+    )
     problems += pipeline_problems(
         cfg.parallel,
         n_layers=None if args is None else args.n_layers,

@@ -35,7 +35,8 @@ rows by ``gamma``, the rotary key shared by every head untouched (scaling it wou
 Gemma 3, OLMo 2) undoes any scale of the projections, and QK-norm bounds the logits already;
 context parallel attends through a callable that holds the row's keys; under pipeline parallel each
 stage would clip its own layers and log only theirs (not done, nor tested, yet); LoRA's adapters add
-to frozen projections it would not scale. :func:`qk_clip_problems` refuses each.
+to frozen projections it would not scale; fault tolerance's replica groups see other tokens and
+share no maximum. :func:`qk_clip_problems` refuses each.
 
 The report applies QK-clip with Muon (MuonClip), where it saw logits grow fastest; it rescales
 weights after any update, so ``optim.qk_clip`` works with every ``optim.name``.
@@ -271,9 +272,12 @@ def _tp_group(layer: nn.Module) -> Any:
     return mesh.get_group("tp")
 
 
-def qk_clip_problems(threshold: float | None, parallel: Any, args: Any, *, lora: bool = False) -> list[str]:
+def qk_clip_problems(
+    threshold: float | None, parallel: Any, args: Any, *, lora: bool = False, replica_groups: bool = False
+) -> list[str]:
     """Why ``optim.qk_clip=threshold`` cannot run with ``parallel`` (a ``ParallelConfig``), the model
-    ``args`` (None: not known) and LoRA adapters (``lora``); empty when it can or when QK-clip is off."""
+    ``args`` (None: not known), LoRA adapters (``lora``) and fault tolerance's replica groups
+    (``replica_groups``); empty when it can or when QK-clip is off."""
     if not threshold or threshold < 0:  # off, or a bad value (``optim_problems`` names it)
         return []
     problems = []
@@ -293,6 +297,11 @@ def qk_clip_problems(threshold: float | None, parallel: Any, args: Any, *, lora:
         problems.append(
             f"optim.qk_clip={threshold} with parallel.cp={parallel.cp}: the logits of a row are only "
             "complete inside context parallel's attention; set parallel.cp=1 or optim.qk_clip=null"
+        )
+    if replica_groups:
+        problems.append(
+            f"optim.qk_clip={threshold} with fault_tolerance.enabled=true: each replica group would clip by "
+            "its own logits and the groups' weights would part; set optim.qk_clip=null"
         )
     if parallel.pp > 1:
         problems.append(
