@@ -50,9 +50,10 @@ from tests.helpers import ROOT, launch_env
 ROOT_TOKEN = "{shared_launch_root}"
 """Replaced in overrides by the session's shared directory (see :func:`module_path`)."""
 
-START_UP_S, PER_RUN_S = 300, 120
-"""A launch's time limit: start-up and teardown, plus each run (2-4x the unloaded time on a 2-core
-machine that runs two test workers beside it)."""
+START_UP_S, PER_RUN_S = 900, 120
+"""A launch's time limit: start-up and teardown (as long as one launch had before they were shared:
+a cold build of the sim device's extension takes minutes on a loaded machine), plus each run (2-4x
+the unloaded time on a 2-core machine that runs two test workers beside it)."""
 
 
 @dataclass
@@ -265,8 +266,19 @@ def finish(session: pytest.Session, exitstatus: int) -> None:
     if plan is None or plan.thread is None:
         return
     if exitstatus == pytest.ExitCode.INTERRUPTED and plan.process is not None:
-        plan.process.kill()
+        _stop(plan.process)
     plan.thread.join(timeout=sum(launch.time_limit for launch in plan.launches))
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM first: torchrun's agent then stops its workers, which run in sessions of their own
+    (a SIGKILL to the agent alone leaves them running)."""
+    process.terminate()
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def _train_all(plan: Plan) -> None:
@@ -304,9 +316,8 @@ def _train(plan: Plan, launch: Launch, directory: Path) -> None:
             try:
                 outcome["returncode"] = plan.process.wait(timeout=launch.time_limit)
             except subprocess.TimeoutExpired:
-                plan.process.kill()
-                plan.process.wait()
-                outcome["error"] = f"killed after its time limit of {launch.time_limit} s"
+                _stop(plan.process)
+                outcome["error"] = f"stopped after its time limit of {launch.time_limit} s"
     except Exception as error:  # recorded for every waiting test, not lost in a background thread
         outcome["error"] = repr(error)
     finally:
