@@ -36,8 +36,10 @@ batch, a packed attention mask (``B * S * S`` bytes) or the optimizer step's tem
 10-20% headroom on accelerators. Checked against measured peaks on CPU (torch's CPU allocator,
 ``scripts/bench_memory.py``, docs/benchmarks.md "The dry run against measured peaks"): within -1%..+10%
 over three sizes, two sequence lengths, the three checkpointing modes, the chunked loss and FSDP2
-on two processes; ``tests/test_conformance.py`` keeps two such comparisons for every family,
-``tests/test_memory.py`` one for LoRA.
+on two processes, and to the MiB at the Qwen3-0.6B shape, full fine-tune and LoRA. It predicts the
+allocator's peak, not the resident set (1.2-1.4 GiB more at 0.6B); ``tests/test_conformance.py``
+keeps two such comparisons for every family, ``tests/test_memory.py`` one for LoRA and one for a
+tied embedding.
 
 Activations saved for backward, per token and layer, in elements of the activation dtype
 (``h`` = dim, ``q`` = ``n_heads * head_dim`` (= ``h`` for Llama), ``f`` = SwiGLU width, ``a`` = query
