@@ -18,13 +18,11 @@ its own estimate and registers that in its ``ModelSpec.estimate_memory``.
   and the prefetched next unit's all-gathered parameters, plus one unit's unsharded gradients before
   the reduce-scatter. A unit is one transformer block, or the embedding / output projection if larger.
 * ``activations`` -- tensors saved for backward (formula below) plus the output head's buffers.
-
-* ``tied_grad_sum`` -- only for tied input and output embeddings (``tie_embeddings``) that train: the
-  matrix gets two gradients, the output projection's (computed first, kept by autograd through the
-  whole backward) and the lookup's (``embedding_dense_backward``, last), and autograd sums them out of
-  place into the parameter's gradient, so at the end of backward both summands (``2 V h``, unsharded)
-  are alive beside every gradient. Measured at Qwen3-0.6B: 1.16 GiB, the whole of the estimate's
-  former shortfall (0.885 of the allocator's peak; docs/benchmarks.md).
+* ``tied_grad_sum`` -- tied embeddings (``tie_embeddings``) that train: the matrix gets two gradients,
+  the output projection's (first, kept by autograd through backward) and the lookup's
+  (``embedding_dense_backward``, last), summed out of place, so at the end of backward both (``2 V h``,
+  unsharded) are alive beside every gradient: 1.16 GiB at Qwen3-0.6B, the whole of the estimate's
+  former shortfall there (0.885 of the allocator's peak; docs/benchmarks.md).
 
 ``total`` is not the sum of the components: gradients and activations peak at different times. At
 the start of backward every activation is alive and only the output head's gradient exists; at the
@@ -227,13 +225,9 @@ def estimate_memory(
     # activation is alive but only the output head's gradient exists; at its end every gradient
     # exists and the activations are gone.
     total = params + optimizer + fsdp_buffers + max(activations + head_grad, grads + tied_sum)
-    estimate = {
-        "params": params,
-        "grads": grads,
-        "optimizer": optimizer,
-        "fsdp_buffers": fsdp_buffers,
-        "activations": activations,
-    }
+    estimate = dict(
+        params=params, grads=grads, optimizer=optimizer, fsdp_buffers=fsdp_buffers, activations=activations
+    )
     return estimate | ({"tied_grad_sum": tied_sum} if tied else {}) | {"total": total}
 
 
