@@ -250,9 +250,11 @@ def test_a_killed_replica_group_rejoins_while_the_other_trains_on(tmp_path: Path
         re.search(r"step (\d+) weights sha256 (\w+)", log).groups() for log in (survivor_log, logs[-1])
     ]
     assert digests[0] == digests[1] == (str(STEPS), digests[0][1]), digests
-    # No noise: torchft's per-step structured records (empty messages: blank lines) and, on CPU,
-    # its NCCL flight-recorder warning stay off the console.
+    # No noise: torchft's per-step structured records (empty messages: blank lines), on CPU its NCCL
+    # flight-recorder warning, and the traceback of an error it handles (when the peer dies during the
+    # all-reduce, as it may: "got exception waiting for work ... Connection closed by peer", one line).
     assert "\n\n" not in survivor_log and "flight recorder" not in survivor_log, survivor_log[:3000]
+    assert "Traceback" not in survivor_log, survivor_log[survivor_log.find("Traceback") - 1000 :][:3000]
     # Sane losses: finite, falling.
     records = train_records(tmp_path / "run" / "replica_0")
     assert all(math.isfinite(r["loss"]) for r in records)
