@@ -3,9 +3,11 @@ tests that import them from ``tests.conftest``)."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -31,6 +33,41 @@ os.environ.setdefault(
     "PORTATRAIN_PEAK_CACHE",
     os.path.join(tempfile.mkdtemp(prefix="portatrain-test-peaks-"), "peak_flops.json"),
 )
+
+
+def _start_fork_server() -> None:
+    """Start this test process's fork server (tests/fork_server.py) and name its socket in the
+    environment every process a test starts inherits: ``tests.helpers.python(...)`` runs are forks of
+    it. A client waits while the server imports (a few seconds), then starts a real interpreter if it
+    still finds none. The server ends with this process; its directory (socket, log) is removed."""
+    if os.environ.get("PORTATRAIN_TEST_NO_FORK") == "1":
+        return
+    where = tempfile.mkdtemp(prefix="ptfork-")  # short: a socket's path has ~100 bytes at most
+    path = os.path.join(where, "socket")
+    log = open(os.path.join(where, "server.log"), "w")  # noqa: SIM115 -- the server's, for its lifetime
+    _FORK_SERVER.append(
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "fork_server.py"), path],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdin=subprocess.PIPE,  # closed when this process ends: the server then ends too
+            stdout=log,
+            stderr=log,
+        )
+    )
+    with open(os.path.join(where, "pid"), "w") as pid_file:  # clients wait while it is alive and importing
+        pid_file.write(str(_FORK_SERVER[-1].pid))
+    os.environ["PORTATRAIN_FORK_SERVER"] = path
+    atexit.register(shutil.rmtree, where, ignore_errors=True)
+
+
+_FORK_SERVER: list[subprocess.Popen] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Every process that runs tests gets one: an xdist worker, or pytest itself without xdist (an
+    # xdist controller runs none).
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        _start_fork_server()
 
 
 def _keep_absl_off_pytests_capture() -> None:

@@ -95,15 +95,30 @@ def compose_config(overrides: list[str], run_dir: Path | None = None) -> DictCon
     return cfg
 
 
+FORK_CLIENT = ROOT / "tests" / "fork_client.py"
+
+
+def python(*args: str) -> list[str]:
+    """The command line of ``python ARGS`` as a fork of this test process's fork server: a process
+    like a new interpreter's, started without importing torch again (``tests/fork_server.py``)."""
+    return [sys.executable, "-S", str(FORK_CLIENT), *args]
+
+
+def torchrun_command(nproc: int, *torchrun_args: str) -> list[str]:
+    """``torchrun --standalone --nproc-per-node=NPROC TORCHRUN_ARGS``, its agent and its workers forks of
+    the fork server; append the worker's ``-m MODULE ARGS`` or ``SCRIPT ARGS``."""
+    agent = python("-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *torchrun_args)
+    return [*agent, "--no-python", *python()]
+
+
 def run_cli(
     args: list[str], *, cwd: Path, timeout: float = 300, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """Run ``python -m portatrain ARGS`` in a fresh process."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    """Run ``python -m portatrain ARGS`` in a fresh process (a fork of the fork server)."""
     return subprocess.run(
-        [sys.executable, "-m", "portatrain", *args],
+        python("-m", "portatrain", *args),
         cwd=cwd,
-        env=full_env,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -116,9 +131,8 @@ def torchrun(
     """Run ``python -m portatrain ARGS`` under ``torchrun --standalone`` with ``nproc`` processes."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     return subprocess.run(
-        [*cmd, *(torchrun_args or []), "-m", "portatrain", *args],
+        [*torchrun_command(nproc, *(torchrun_args or [])), "-m", "portatrain", *args],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -196,9 +210,8 @@ def launch_runs(
             {"run_dir": str(dirs[name]), "overrides": overrides, "stop_at": (stop_at or {}).get(name)}
         )
     (tmp_path / "runs.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     out = subprocess.run(
-        [*cmd, str(ROOT / "tests" / "launch_runs.py"), str(tmp_path / "runs.json")],
+        [*torchrun_command(nproc), str(ROOT / "tests" / "launch_runs.py"), str(tmp_path / "runs.json")],
         cwd=tmp_path,
         env=launch_env(**env),
         capture_output=True,

@@ -45,7 +45,7 @@ from pathlib import Path
 import filelock
 import pytest
 
-from tests.helpers import ROOT, launch_env
+from tests.helpers import ROOT, launch_env, python, torchrun_command
 
 ROOT_TOKEN = "{shared_launch_root}"
 """Replaced in overrides by the session's shared directory (see :func:`module_path`)."""
@@ -298,13 +298,7 @@ def _train(plan: Plan, launch: Launch, directory: Path) -> None:
             (directory / partial).unlink(missing_ok=True)
         (directory / "runs.json").write_text(json.dumps(launch.spec(plan.root)))
         _set_up(plan, launch, directory)
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={launch.nproc}",
-        ]
+        cmd = torchrun_command(launch.nproc)  # agent and workers forks of the fork server
         with (directory / "stdout.txt").open("w") as out, (directory / "stderr.txt").open("w") as err:
             plan.process = subprocess.Popen(
                 [*cmd, str(ROOT / "tests" / "launch_runs.py"), str(directory / "runs.json")],
@@ -386,7 +380,7 @@ def _set_up(plan: Plan, launch: Launch, directory: Path) -> None:
         (directory / "setups.json").write_text(json.dumps(setups))
         with (directory / "setup_stderr.txt").open("w") as err:
             subprocess.run(
-                [sys.executable, "-m", "tests.shared_launch", str(directory / "setups.json")],
+                python("-m", "tests.shared_launch", str(directory / "setups.json")),
                 cwd=directory,
                 env=launch_env(),
                 stdout=err,
