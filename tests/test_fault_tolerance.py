@@ -63,25 +63,32 @@ def test_an_unreachable_lighthouse_is_one_line_naming_it() -> None:
     pytest.importorskip("torchft")
     import socket
 
-    from portatrain.fault_tolerance import LighthouseError, ReplicaGroups
+    from portatrain.fault_tolerance import LighthouseError
 
     with socket.socket() as s:  # a port nothing listens on once it is closed
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     address = f"http://localhost:{port}"
     with pytest.raises(LighthouseError) as info:
-        ReplicaGroups(
-            FaultToleranceConfig(enabled=True, lighthouse=address, timeout_s=1.0),
-            device_type="cpu",
-            rank=0,
-            world_size=1,
-            state_dict=dict,
-            load_state_dict=lambda state: None,
-            broadcast=lambda value: value,
-        )
+        _one_process_groups(FaultToleranceConfig(enabled=True, lighthouse=address, timeout_s=1.0))
     message = str(info.value)
     assert "\n" not in message and f"fault_tolerance.lighthouse={address}" in message, message
     assert "fault_tolerance.timeout_s=1" in message and f"portatrain lighthouse --port {port}" in message
+
+
+def _one_process_groups(cfg: FaultToleranceConfig):
+    """ReplicaGroups for a one-process replica group with empty state."""
+    from portatrain.fault_tolerance import ReplicaGroups
+
+    return ReplicaGroups(
+        cfg,
+        device_type="cpu",
+        rank=0,
+        world_size=1,
+        state_dict=dict,
+        load_state_dict=lambda state: None,
+        broadcast=lambda value: value,
+    )
 
 
 @pytest.mark.parametrize("lighthouse_min", [1, 2], ids=["quorum-below-min-replicas", "no-quorum"])
@@ -94,21 +101,13 @@ def test_a_survivor_without_the_groups_it_needs_stops_with_one_line(lighthouse_m
 
     from torchft.coordination import LighthouseServer
 
-    from portatrain.fault_tolerance import QuorumError, ReplicaGroups
+    from portatrain.fault_tolerance import QuorumError
 
     server = LighthouseServer(bind="[::]:0", min_replicas=lighthouse_min, join_timeout_ms=100)
     cfg = FaultToleranceConfig(
         enabled=True, lighthouse=server.address(), group_size=2, min_replicas=2, quorum_timeout_s=1.0
     )
-    groups = ReplicaGroups(
-        cfg,
-        device_type="cpu",
-        rank=0,
-        world_size=1,
-        state_dict=dict,
-        load_state_dict=lambda state: None,
-        broadcast=lambda value: value,
-    )
+    groups = _one_process_groups(cfg)
     start = time.monotonic()
     try:
         with pytest.raises(QuorumError) as info:
