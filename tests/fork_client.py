@@ -1,6 +1,6 @@
 """The client of ``tests/fork_server.py``: ``python -S tests/fork_client.py -m MODULE ARGS`` (or
-``SCRIPT ARGS``) behaves as ``python -m MODULE ARGS`` would, served by a fork of the test process's
-server (see its docstring). Without a server (``PORTATRAIN_FORK_SERVER`` unset or not listening), or
+``-c CODE ARGS``, or ``SCRIPT ARGS``, after an optional ``-u``) behaves as ``python`` with those
+arguments would, served by a fork of the test process's server (see its docstring). Without a server (``PORTATRAIN_FORK_SERVER`` unset or not listening), or
 when the server refuses (an import-time variable differs), it ``exec``\\s that real interpreter.
 
 Standard library only and started with ``-S``: its own start-up is ~20 ms."""

@@ -9,7 +9,8 @@ such processes. This server imports once, then serves each process from a ``fork
 
 How: one server per test process (``tests/conftest.py`` starts it and names its socket in
 ``PORTATRAIN_FORK_SERVER``). ``tests/fork_client.py`` stands in for ``python``: started as
-``python -S tests/fork_client.py -m MODULE ARGS`` (or ``SCRIPT ARGS``), it connects, hands over its
+``python -S tests/fork_client.py -m MODULE ARGS`` (or ``-c CODE ARGS``, or ``SCRIPT ARGS``, each after an
+optional ``-u``), it connects, hands over its
 argument list, working directory, environment and its stdin, stdout and stderr (``SCM_RIGHTS``), and
 the server forks a child that becomes that process: its own session, that directory, environment and
 streams, ``sys.argv`` and ``sys.path[0]`` as ``python`` sets them, fresh ``random`` and numpy seeds,
@@ -19,8 +20,8 @@ ends with the child's status (the same signal if it was killed); if the client d
 the child, as a process dies with its own interpreter.
 
 What a fork cannot give, and the server refuses (the client then ``exec``\\s a real interpreter):
-an environment that differs from the server's in a variable read while a library loads -- the
-interpreter's ``PYTHON*`` (``PYTHONPATH`` excepted when it names the same torch and portatrain: the
+another interpreter option than ``-u`` (``-X``, ``-W``, a script on stdin ...), and an environment
+that differs from the server's in a variable read while a library loads -- the interpreter's ``PYTHON*`` (``PYTHONPATH`` excepted when it names the same torch and portatrain: the
 child's ``sys.path`` follows it), the OpenMP and BLAS runtimes' ``OMP_*``/``MKL_*``/``OPENBLAS_*``,
 ``ATEN_CPU_CAPABILITY``, ``TORCH_*``/``TORCHINDUCTOR_*``/``TORCHDYNAMO_*``/``PYTORCH_*``. One
 difference remains: forked processes share the server's string-hash seed, where new interpreters
@@ -48,6 +49,7 @@ import struct
 import sys
 import threading
 import traceback
+import types
 
 # What `python -m portatrain` imports for any command that builds a model (`python -X importtime`):
 # torch, DCP, dynamo (constructing on the meta device imports it through torch's reference ops),
@@ -83,8 +85,12 @@ READ_LATER = ("PYTHONPATH", "TORCH_NCCL_", "TORCHINDUCTOR_CACHE_DIR")
 PRELOADED_PACKAGES = ("torch", "portatrain")
 
 
-def _refusal(env: dict[str, str]) -> str | None:
-    """Why a fork of this server is not the process ``env`` describes, or None when it is."""
+def _refusal(argv: list[str], env: dict[str, str]) -> str | None:
+    """Why a fork of this server is not the process ``argv`` and ``env`` describe, or None when it is."""
+    _, argv = _options(argv)
+    served = argv and (argv[0] in ("-m", "-c") and len(argv) > 1 or not argv[0].startswith("-"))
+    if not served:
+        return f"python {' '.join(argv[:1])} is not served"
     for key in set(env) | set(os.environ):
         if (
             env.get(key) == os.environ.get(key)
@@ -102,14 +108,25 @@ def _refusal(env: dict[str, str]) -> str | None:
     return None
 
 
-def _std_streams() -> None:
-    """New ``sys.std*`` objects on fds 0-2, buffered as a new interpreter would buffer them."""
+def _options(argv: list[str]) -> tuple[bool, list[str]]:
+    """``python``'s options this server takes (``-u``, which torchrun's agent passes its workers),
+    and the rest: ``-m MODULE ARGS``, ``-c CODE ARGS`` or ``SCRIPT ARGS``."""
+    unbuffered = False
+    while argv and argv[0] == "-u":
+        unbuffered, argv = True, argv[1:]
+    return unbuffered, argv
+
+
+def _std_streams(unbuffered: bool) -> None:
+    """New ``sys.std*`` objects on fds 0-2, buffered as a new interpreter would buffer them (``-u``:
+    stdout and stderr written through)."""
     sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
     for fd, name in ((1, "stdout"), (2, "stderr")):
         stream = io.TextIOWrapper(
             io.BufferedWriter(io.FileIO(fd, "w", closefd=False)),
             errors="backslashreplace" if fd == 2 else None,
             line_buffering=fd == 2 or os.isatty(fd),
+            write_through=unbuffered,
         )
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
@@ -131,21 +148,25 @@ def _become(request: dict, fds: list[int]) -> None:
     for fd, received in enumerate(fds):
         os.dup2(received, fd)
         os.close(received)
-    _std_streams()
+    unbuffered, argv = _options(request["argv"])
+    _std_streams(unbuffered)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    argv = request["argv"]
-    module = argv[1] if argv[0] == "-m" else None
-    first = os.getcwd() if module else os.path.dirname(os.path.abspath(argv[0]))
+    kind = argv[0] if argv[0] in ("-m", "-c") else "script"
+    first = {"-m": os.getcwd(), "-c": ""}[kind] if kind != "script" else os.path.dirname(os.path.abspath(argv[0]))
     sys.path[:] = [first, *_pythonpath(os.environ.get("PYTHONPATH", "")), *_SITE]
     random.seed()
     sys.modules["numpy"].random.seed()
     code = 0
     try:
-        if module:
-            sys.argv = [module, *argv[2:]]  # run_module puts the module's file in argv[0]
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if kind == "-m":
+            sys.argv = [argv[1], *argv[2:]]  # run_module puts the module's file in argv[0]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        elif kind == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            exec(compile(argv[1], "<string>", "exec"), main.__dict__)
         else:
             sys.argv = list(argv)
             runpy.run_path(argv[0], run_name="__main__")
@@ -210,7 +231,7 @@ def serve(path: str) -> None:
             except (OSError, ValueError):
                 conn.close()
                 continue
-            why = _refusal(request["env"])
+            why = _refusal(request["argv"], request["env"])
             print(
                 f"{'refused (' + why + ')' if why else 'fork'}: {' '.join(request['argv'])[:200]}",
                 file=sys.stderr,
