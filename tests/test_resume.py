@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from portatrain.checkpoint import complete_checkpoints, read_trainer_state
 from portatrain.trainer import Trainer
 from tests.conftest import ROOT, TINY, compose_config
 from tests.helpers import fit as fit_tiny
-from tests.helpers import step_losses
+from tests.helpers import python, step_losses, torchrun_command
 
 STEPS = 8
 RUN = TINY + [f"trainer.steps={STEPS}"]
@@ -67,7 +66,7 @@ def test_sigterm_saves_at_the_next_step_and_exits_zero(tmp_path: Path) -> None:
     long_run = TINY + ["trainer.steps=200"]  # long enough that the signal lands mid-run
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "portatrain", *long_run, f"run_dir={run_dir}"],
+        python("-m", "portatrain", *long_run, f"run_dir={run_dir}"),
         cwd=tmp_path,
         env=ENV,
         stdout=subprocess.PIPE,
@@ -128,7 +127,7 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path: Path, ref
     )
     run_dir = tmp_path / "run"
     out = subprocess.run(
-        [sys.executable, str(script), *RUN, "checkpoint.every=2", f"run_dir={run_dir}"],
+        python(str(script), *RUN, "checkpoint.every=2", f"run_dir={run_dir}"),
         cwd=tmp_path,
         env=ENV,
         capture_output=True,
@@ -175,18 +174,8 @@ def test_torchrun_restarts_a_sigkilled_worker_which_resumes(tmp_path: Path, refe
     )
     env = {k: v for k, v in ENV.items() if k not in ("PORTATRAIN_RUN_ID", "TORCHELASTIC_RUN_ID")}
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=1",
-            "--max-restarts=1",
-            str(script),
-            *RUN,
-            "checkpoint.every=2",
-            "checkpoint.resume=auto",
-        ],
+        [*torchrun_command(1, "--max-restarts=1"), str(script), *RUN, "checkpoint.every=2"]
+        + ["checkpoint.resume=auto"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
