@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from portatrain.checkpoint import (
 )
 from portatrain.rundir import LOCK_FILE, RunDirLockedError, RunDirNotWritableError, lock_run_dir
 from portatrain.trainer import NonFiniteError, Trainer
-from tests.helpers import ROOT, TINY, fit, make_trainer
+from tests.helpers import ROOT, TINY, fit, make_trainer, python, torchrun_command
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
@@ -231,7 +230,7 @@ def test_second_sigint_exits_at_once_without_traceback(tmp_path: Path) -> None:
         )
     )
     out = subprocess.run(
-        [sys.executable, str(script), *TINY, "trainer.steps=6", f"run_dir={tmp_path / 'run'}"],
+        python(str(script), *TINY, "trainer.steps=6", f"run_dir={tmp_path / 'run'}"),
         cwd=tmp_path,
         env=ENV,
         capture_output=True,
@@ -257,23 +256,28 @@ def test_second_run_in_a_locked_directory_names_the_holder(tmp_path: Path) -> No
 
 def test_lock_of_a_killed_process_is_taken_over(tmp_path: Path) -> None:
     holder = subprocess.Popen(
-        [
-            sys.executable,
+        python(
             "-c",
-            "import sys, time; from portatrain.rundir import lock_run_dir; "
-            "lock = lock_run_dir(sys.argv[1]); print('locked', flush=True); time.sleep(600)",
+            "import os, sys, time; from portatrain.rundir import lock_run_dir; "
+            "lock = lock_run_dir(sys.argv[1]); print('locked', os.getpid(), flush=True); time.sleep(600)",
             str(tmp_path),
-        ],
+        ),
         env=ENV,
         stdout=subprocess.PIPE,
         text=True,
     )
+    pid = None
     try:
-        assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(RunDirLockedError, match=f"PID {holder.pid}"):
+        said, pid = holder.stdout.readline().split()
+        assert said == "locked"
+        with pytest.raises(RunDirLockedError, match=f"PID {pid}"):
             lock_run_dir(tmp_path)
     finally:
-        holder.send_signal(signal.SIGKILL)
+        # The holder's own pid, which a fork's client does not have: the client ends once it has died.
+        if pid is None:
+            holder.kill()
+        else:
+            os.kill(int(pid), signal.SIGKILL)
         holder.wait()
     lock_run_dir(tmp_path).release()  # a crashed holder leaves nothing to clean up
 
@@ -554,7 +558,7 @@ def test_sigterm_during_compile_warmup_stops_before_the_next_shape(tmp_path: Pat
 # -- 14-16. what the command line shows and leaves behind ------------------------------------------
 def _cli(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "portatrain", *args],
+        python("-m", "portatrain", *args),
         cwd=cwd,
         env=ENV,
         capture_output=True,
@@ -601,17 +605,7 @@ def test_non_interactive_log_has_one_line_per_log_every_and_no_bar_frames(tmp_pa
 @pytest.mark.slow
 def test_torchrun_prints_a_configuration_error_once(tmp_path: Path) -> None:
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "-m",
-            "portatrain",
-            *TINY,
-            "trainer.steps=-1",
-        ],
+        [*torchrun_command(2), "-m", "portatrain", *TINY, "trainer.steps=-1"],
         cwd=tmp_path,
         env=ENV,
         capture_output=True,
