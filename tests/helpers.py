@@ -229,8 +229,8 @@ def sigterm_portatrain_torchrun(args: list[str], cwd: Path, after: str = "step 2
     log = cwd / "log.txt"
     with log.open("w") as sink:
         job = subprocess.Popen(
-            [sys.executable, "-m", "portatrain", "torchrun", "--standalone", "--nproc-per-node=2"]
-            + ["-m", "portatrain", *args],
+            python("-m", "portatrain", "torchrun", "--standalone", "--nproc-per-node=2", "--no-python")
+            + python("-m", "portatrain", *args),
             cwd=cwd,
             env=launch_env(),
             stdout=sink,
@@ -258,3 +258,20 @@ class CountingCPU(CPUAccelerator):
     def memory_stats(self) -> dict[str, int]:
         self.memory_reads += 1
         return super().memory_stats()
+
+
+def spawn(fn, args: tuple = (), nprocs: int = 2, timeout: float = 600) -> None:
+    """Run ``fn(rank, *args)`` on ``nprocs`` processes, as ``torch.multiprocessing.spawn`` would, but
+    under ``torchrun`` with the processes forks of the fork server (``tests/spawn_entry.py``): ~1
+    CPU-s a rank instead of a new interpreter's ~6. ``fn`` is a module-level function; ``args`` are
+    JSON values. A rank that raises fails the test with torchrun's summary and the ranks' stderr."""
+    target = f"{fn.__module__}:{fn.__qualname__}"
+    out = subprocess.run(
+        [*torchrun_command(nprocs), "-m", "tests.spawn_entry", target, json.dumps(list(args))],
+        cwd=ROOT,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, f"{target} failed:\n{out.stdout[-3000:]}\n{out.stderr[-8000:]}"

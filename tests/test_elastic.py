@@ -8,17 +8,14 @@ and resumes with the clean run's losses; SIGTERM to ``portatrain torchrun`` save
 from __future__ import annotations
 
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY, fit, launch_env, sigterm_portatrain_torchrun, step_losses
+from tests.helpers import TINY, fit, launch_env, sigterm_portatrain_torchrun, step_losses, torchrun_command
 
 pytestmark = pytest.mark.slow
-
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 
 
 def _script(path: Path, code: str) -> Path:
@@ -57,7 +54,7 @@ def test_a_restarted_attempt_never_reads_the_previous_attempts_gloo_addresses(tm
         """,
     )
     out = subprocess.run(
-        [*TORCHRUN, "--max-restarts=3", str(worker)],
+        [*torchrun_command(2, "--max-restarts=3"), str(worker)],
         cwd=tmp_path,
         env=launch_env(),
         capture_output=True,
@@ -93,7 +90,7 @@ def test_two_workers_restart_after_a_sigkill_and_resume_with_the_clean_losses(tm
     )
     args = [*run, "parallel.dp_shard=2", "checkpoint.every=2", "checkpoint.resume=auto", "run_dir=run"]
     out = subprocess.run(
-        [*TORCHRUN, "--max-restarts=3", str(kill_once), *args],
+        [*torchrun_command(2, "--max-restarts=3"), str(kill_once), *args],
         cwd=tmp_path,
         env=launch_env(),
         capture_output=True,
