@@ -20,6 +20,7 @@ Where ``apt-get`` is missing or we are not root, :func:`install` says so and the
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -64,6 +65,27 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun_shim(bin_dir: Path) -> Path:
+    """Write ``BIN_DIR/torchrun``, for a job script that finds ``torchrun`` on its ``PATH``: torchrun
+    with its agent and its workers forks of the test process's fork server (``tests/fork_server.py``),
+    as ``tests.helpers.torchrun_command`` launches them. The workers' ``-m MODULE ARGS`` becomes
+    ``--no-python <fork client> -u -m MODULE ARGS`` (``-u``: what torchrun itself gives a worker)."""
+    from tests.helpers import python
+
+    shim = bin_dir / "torchrun"
+    shim.write_text(
+        "#!/bin/bash\n"
+        "args=()\n"
+        "while (($#)); do\n"
+        f'    if [[ $1 == -m ]]; then args+=(--no-python {shlex.join(python())} -u "$@"); break; fi\n'
+        '    args+=("$1"); shift\n'
+        "done\n"
+        f'exec {shlex.join(python("-m", "torch.distributed.run"))} "${{args[@]}}"\n'
+    )
+    shim.chmod(0o755)
+    return shim
 
 
 RELEASE_AFTER_S = 8.0

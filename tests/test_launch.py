@@ -12,13 +12,13 @@ import json
 import os
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from portatrain.launch import job_overrides, render_job, training_overrides
 from tests.conftest import ROOT, TINY, compose_config
+from tests.slurm_cluster import torchrun_shim
 from tests.test_command_errors import run
 from tests.test_distributed import free_port
 
@@ -198,9 +198,7 @@ def test_sbatch_script_trains_on_two_fake_slurm_nodes(tmp_path: Path) -> None:
         'for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do SLURM_NODEID=$i "$@" & pids+=($!); done\n'
         'rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done; exit $rc\n',
     )
-    _write_executable(
-        bin_dir / "torchrun", f'#!/bin/bash\nexec {sys.executable} -m torch.distributed.run "$@"\n'
-    )
+    torchrun_shim(bin_dir)  # its agents and workers forks of the fork server
     overrides = [*TINY, "data.batch_size=4", "checkpoint.enabled=false"]
     cfg = compose_config([*overrides, "parallel.launch.nodes=2", f"parallel.launch.rdzv_port={free_port()}"])
     script = tmp_path / "job.sbatch"

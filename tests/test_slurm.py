@@ -26,7 +26,7 @@ from portatrain.checkpoint import complete_checkpoints, inspect_checkpoint
 from portatrain.launch import job_overrides
 from portatrain.launch.slurm import render_sbatch
 from tests.conftest import ROOT, TINY, compose_config, run_cli
-from tests.slurm_cluster import SlurmCluster, install
+from tests.slurm_cluster import SlurmCluster, install, torchrun_shim
 from tests.test_distributed import free_port
 
 pytestmark = pytest.mark.slow
@@ -50,6 +50,8 @@ def slurm() -> Iterator[SlurmCluster]:
             pytest.fail(reason)
         pytest.skip(reason)
     cluster = SlurmCluster(nodes=2).start()
+    (cluster.root / "bin").mkdir()
+    torchrun_shim(cluster.root / "bin")  # on the jobs' PATH: their torchrun and workers are forks
     try:
         yield cluster
     finally:
@@ -60,6 +62,7 @@ def _job_env(slurm: SlurmCluster, step_sleep: float = 0.0) -> dict[str, str]:
     # sbatch exports the submitting environment to the job (--export=ALL, SLURM's default).
     env = {
         **slurm.env,
+        "PATH": f"{slurm.root / 'bin'}{os.pathsep}{os.environ['PATH']}",
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")]),
         "PORTATRAIN_TEST_STEP_SLEEP": str(step_sleep),
@@ -202,16 +205,17 @@ def test_time_limit_warning_saves_requeues_and_finishes(
     slurm: SlurmCluster, reference: dict, tmp_path: Path
 ) -> None:
     # SLURM checks time limits (and sends the early warning) every 30 s, in one pass: a job found
-    # past its limit is killed without the warning. The job starts with 5 minutes and a 90 s
+    # past its limit is killed without the warning. The job starts with 5 minutes and a 120 s
     # warning; once it trains, the test shortens its limit to end 65-125 s from now (whole minutes
-    # of run time). The 90 s before the limit then hold a check that comes after the update and
-    # >= 30 s before the kill (were the limit only 30 s away, the first check could fall past it),
-    # so the job always has >= 30 s to save. 2 s per step in the
+    # of run time). The warning is then due <= 5 s after the update, so the next check sends it
+    # <= 35 s after the update and >= 30 s before the kill (were the limit only 30 s away, the first
+    # check could fall past it): the job always has >= 30 s to save. (A 90 s warning came up to 65 s
+    # after the update, ~25 s on average; this one ~15 s.) 3 s per step in the
     # first allocation keeps the run going past the warning. The requeued job gets its 5 minutes
     # back while it waits to restart.
-    job_id = _submit(slurm, tmp_path, JOB, step_sleep=2.0, time="5", save_grace=90)
+    job_id = _submit(slurm, tmp_path, JOB, step_sleep=3.0, time="5", save_grace=120)
     script = (tmp_path / "job.sbatch").read_text()
-    assert "#SBATCH --signal=B:USR1@90\n" in script and "#SBATCH --requeue\n" in script
+    assert "#SBATCH --signal=B:USR1@120\n" in script and "#SBATCH --requeue\n" in script
     _wait_for_step(slurm, job_id, tmp_path / "runs" / "debug" / job_id, 1)
     elapsed = _seconds(slurm.job(job_id)["RunTime"])
     slurm.run("scontrol", "update", f"JobId={job_id}", f"TimeLimit={math.ceil((elapsed + 65) / 60)}")
