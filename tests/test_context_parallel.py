@@ -18,7 +18,7 @@ from portatrain.parallel.context import (
 )
 from portatrain.parallel.parallel_dims import layout_problems
 from tests import shared_launch
-from tests.helpers import TINY, bf16_tolerance, decoder_roundings, relative_error
+from tests.helpers import TINY, bf16_tolerance, decoder_roundings, relative_error, spawn
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
@@ -122,7 +122,7 @@ def test_bad_context_parallel_input_is_one_line_each():
 
 
 # -- slow tier: every family, with and without document masks, against one process -------------
-# One spawn of 4 ranks runs every case (process-group start-up is the expensive part); each rank
+# One launch of 4 ranks runs every case (process-group start-up is the expensive part); each rank
 # computes the one-process reference on the full batch itself, so a case needs no second launch.
 ROWS, SEQ = 2, 32
 PARITY_CASES = [
@@ -194,16 +194,13 @@ def _build(family: str, dims=None, param_dtype: torch.dtype = torch.float32):
     return model, args
 
 
-def _parity_worker(rank: int, world: int, port: int, out: str) -> None:
-    import os
-
+def _parity_worker(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
 
     from portatrain.data.collate import with_attention_mask
     from portatrain.parallel import ParallelDims
     from portatrain.parallel.utils import token_all_reduce
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     errors = []
@@ -255,15 +252,8 @@ def test_context_parallel_matches_one_process_for_every_family(tmp_path):
     """Loss and every parameter's gradient under cp=2 (with FSDP2 over dp_shard x cp, and with TP)
     and cp=4 equal one process's on the same global batch, to fp32 rounding; in bf16 (cp2 x tp2, and
     the mixture of experts at cp2 x dp2), within the bound derived in ``tests/helpers.py``."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "errors.pt"
-    mp.start_processes(_parity_worker, args=(4, port, str(out)), nprocs=4, join=True, start_method="spawn")
+    spawn(_parity_worker, (4, str(out)), nprocs=4)
     assert torch.load(out, weights_only=True) == []
 
 

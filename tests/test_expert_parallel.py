@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 
 import pytest
@@ -36,6 +35,7 @@ from tests.helpers import (
     compose_config,
     fit,
     relative_error,
+    spawn,
     train_records,
 )
 from tests.test_command_errors import run
@@ -216,10 +216,7 @@ def _exchange_worker(rank: int, store: str) -> None:
 
 @pytest.mark.slow
 def test_the_exchange_on_two_ranks_equals_the_single_device_layer(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_exchange_worker, args=(str(tmp_path / "store"),), nprocs=2)
+    spawn(_exchange_worker, (str(tmp_path / "store"),), nprocs=2)
 
 
 # ---------------------------------------------------------------------------------------------

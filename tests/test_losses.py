@@ -9,19 +9,16 @@ vocabulary-parallel path), against one process.
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from portatrain.losses import chunked_cross_entropy, cross_entropy_sum, loss_problems
-from tests.helpers import fit, read_metrics
+from tests.helpers import fit, read_metrics, spawn
 
 
 def _plain_and_chunked(hidden, weight, labels, chunk_size, scale=0.37):
@@ -139,8 +136,7 @@ def _train(model, *, rows: slice, chunked: bool) -> list[float]:
     return losses
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+def _worker(rank: int, world: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -175,16 +171,10 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_chunked_loss_under_fsdp2_and_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
     out = tmp_path / "rank0.pt"
-    mp.start_processes(_worker, args=(4, _free_port(), str(out)), nprocs=4, join=True, start_method="spawn")
+    spawn(_worker, (4, str(out)), nprocs=4)
     got = torch.load(out, weights_only=True)
     from portatrain.models.llama import Llama
 

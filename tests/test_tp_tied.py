@@ -1,27 +1,26 @@
 """Tensor parallel with tied embeddings (and Qwen 3's q/k norms) against one process, on CPU with gloo.
 
-Each case spawns ``tp`` or ``dp_shard x tp`` ranks that build the model on meta, apply the family's
-``ModelSpec.parallelize`` exactly as the trainer does, initialize with full-tensor draws (so every
-layout starts from the one-process weights) and train a few AdamW steps on one fixed global batch,
-each data-parallel rank reading its rows. Per step the global loss and gradient norm must match one
-process to fp32 rounding, and so must the tied matrix's gradient after the first step -- the sum of
-its two uses, the embedding lookup (rows of the ids in the batch) and the output projection (every
-row), which also proves that both reach the one sharded parameter.
+Each case launches ``tp`` or ``dp_shard x tp`` ranks (``tests.helpers.spawn``) that build the model on
+meta, apply the family's ``ModelSpec.parallelize`` exactly as the trainer does, initialize with
+full-tensor draws (so every layout starts from the one-process weights) and train a few AdamW steps on
+one fixed global batch, each data-parallel rank reading its rows. Per step the global loss and gradient
+norm must match one process to fp32 rounding, and so must the tied matrix's gradient after the first
+step -- the sum of its two uses, the embedding lookup (rows of the ids in the batch) and the output
+projection (every row), which also proves that both reach the one sharded parameter.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from tests.helpers import spawn
 
 STEPS = 3
 ROWS, SEQ = 4, 16
@@ -74,8 +73,7 @@ def _train(model: torch.nn.Module, inputs, labels, *, dp_rank: int, dp: int, red
     return record
 
 
-def _worker(rank: int, world: int, port: int, case: dict, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+def _worker(rank: int, world: int, case: dict, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -130,13 +128,7 @@ def _one_process(case: dict) -> dict:
     return _train(model, inputs, labels, dp_rank=0, dp=1, reduce=lambda t: t)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# Kept to two spawns for the suite's time budget: FSDP2 x TP of the tied Llama, and Qwen 3's q/k norms
+# Kept to two launches for the suite's time budget: FSDP2 x TP of the tied Llama, and Qwen 3's q/k norms
 # inside compiled, checkpointed TP blocks. Qwen 3 under FSDP2 x TP through the real CLI is in
 # test_qwen3_train.py, every family under FSDP2 in test_conformance.py.
 CASES = {
@@ -158,13 +150,7 @@ CASES = {
 def test_tensor_parallel_matches_one_process(case_id: str, tmp_path: Path) -> None:
     case = CASES[case_id]
     out = tmp_path / "rank0.pt"
-    mp.start_processes(
-        _worker,
-        args=(case["world"], _free_port(), case, str(out)),
-        nprocs=case["world"],
-        join=True,
-        start_method="spawn",
-    )
+    spawn(_worker, (case["world"], case, str(out)), nprocs=case["world"])
     got = torch.load(out, weights_only=True)
     want = _one_process(case)
     # Relative: AdamW's normalized update turns fp32 rounding in tiny gradients into ~1e-6 of the loss.
