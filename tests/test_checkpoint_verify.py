@@ -12,7 +12,6 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from portatrain.checkpoint import (
 )
 from portatrain.checkpoint.verify import checksums, nonfinite_keys
 from portatrain.trainer import NonFiniteError, Trainer
-from tests.helpers import ROOT, TINY, fit, make_trainer, torchrun
+from tests.helpers import ROOT, TINY, fit, make_trainer, python, torchrun
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
@@ -223,7 +222,7 @@ def _script(tmp_path: Path, body: str, *args: str) -> subprocess.CompletedProces
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(body))
     return subprocess.run(
-        [sys.executable, str(script), *TINY, *args],
+        python(str(script), *TINY, *args),
         cwd=tmp_path,
         env=ENV,
         capture_output=True,

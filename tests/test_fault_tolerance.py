@@ -13,7 +13,6 @@ import os
 import random
 import re
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pytest
 
 from portatrain.config import FaultToleranceConfig, ParallelConfig
 from portatrain.fault_tolerance import data_slice, fault_tolerance_problems, replica_run_dir
-from tests.helpers import ROOT, TINY, compose_config, run_cli, train_records
+from tests.helpers import ROOT, TINY, compose_config, python, run_cli, train_records
 
 
 def _problems(parallel: ParallelConfig | None = None, device: str = "cpu", **ft) -> list[str]:
@@ -177,7 +176,7 @@ def test_a_killed_replica_group_rejoins_while_the_other_trains_on(tmp_path: Path
     for key in ("WORLD_SIZE", "RANK", "PORTATRAIN_RUN_ID", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)
     lighthouse = subprocess.Popen(
-        [sys.executable, "-m", "portatrain", "lighthouse", "--port", "0", "--heartbeat-timeout-ms", "1000"],
+        python("-m", "portatrain", "lighthouse", "--port", "0", "--heartbeat-timeout-ms", "1000"),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -202,7 +201,7 @@ def test_a_killed_replica_group_rejoins_while_the_other_trains_on(tmp_path: Path
         def start(group: int, kill_after: int | None = None) -> subprocess.Popen:
             kill = {"KILL_AFTER": str(kill_after)} if kill_after else {}
             proc = subprocess.Popen(
-                [sys.executable, str(script), *run, f"fault_tolerance.replica_id={group}"],
+                python(str(script), *run, f"fault_tolerance.replica_id={group}"),
                 env={**env, **kill, "STEP_SECONDS": STEP_SECONDS},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT, TINY
+from tests.helpers import python
 from tests.test_distributed import free_port
 
 pytestmark = pytest.mark.slow
@@ -46,8 +46,7 @@ def _two_agents(
         env.pop(key, None)
     agents = [
         subprocess.Popen(
-            [
-                sys.executable,
+            python(
                 "-m",
                 "torch.distributed.run",
                 "--nnodes=2",
@@ -55,8 +54,10 @@ def _two_agents(
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{port}",
                 "--rdzv-id=rundir-check",
+                "--no-python",  # the workers forks too
+                *python(),
                 *argv,
-            ],
+            ),
             cwd=workdir,
             env=env,
             stdout=subprocess.PIPE,

@@ -36,7 +36,7 @@ from portatrain.models import build_model
 from portatrain.parallel import ParallelDims
 from portatrain.trainer import Trainer
 from portatrain.validate import validate
-from tests.helpers import ROOT, TINY, compose_config, fit, losses, train_records
+from tests.helpers import ROOT, TINY, compose_config, fit, losses, torchrun_command, train_records
 
 HAVE_TORCHAO = __import__("importlib").util.find_spec("torchao") is not None
 needs_torchao = pytest.mark.skipif(
@@ -261,21 +261,12 @@ def test_fsdp2_float8_all_gather_matches_one_process(tmp_path: Path) -> None:
     weights, agrees to 1e-4; later steps drift by the rounding of different scales, measured at up to
     0.3%, held to 1%. The checkpoint the two ranks write resumes in one process without FP8."""
     import subprocess
-    import sys
 
     steps = 3
     common = [*TINY, "quantize.linear=float8_tensorwise", f"trainer.steps={steps}", "metrics.peak_tflops=1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     env.pop("WORLD_SIZE", None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "portatrain",
-    ]
+    cmd = [*torchrun_command(2), "-m", "portatrain"]
     out = subprocess.run(
         [*cmd, *common, "data.batch_size=4", f"run_dir={tmp_path / 'fsdp'}"],
         cwd=tmp_path,

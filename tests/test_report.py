@@ -7,7 +7,6 @@ import copy
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from portatrain.report import (
     static_audit,
     write_report,
 )
-from tests.helpers import ROOT
+from tests.helpers import ROOT, python
 
 COMMANDS = Commands(
     audit="portatrain audit --format json x.py",
@@ -268,7 +267,7 @@ SMALL = ["data.num_documents=200", "data.seq_len=64", "data.batch_size=4", "opti
 
 
 def _report(args: list[str], tmp_path: Path, script: str | None = None) -> tuple[int, dict[str, Any], str]:
-    program = [sys.executable, script] if script else [sys.executable, "-m", "portatrain"]
+    program = python(script) if script else python("-m", "portatrain")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.run(
         [*program, "report", *SMALL, f"run_dir={tmp_path / 'run'}", *args],
