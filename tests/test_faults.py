@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.fault_injection import RUN
-from tests.helpers import ROOT, step_losses
+from tests.helpers import ROOT, python, step_losses, torchrun_command
 
 SCRIPT = ROOT / "tests" / "fault_injection.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
@@ -40,15 +39,7 @@ def test_sigkill_at_random_points_of_saves_and_rotation_always_resumes_exactly(
 ) -> None:
     out = tmp_path / "trials.json"
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "trials",
-            str(out),
-            str(n),
-            "spread",
-            f"checkpoint.async_mode={async_mode}",
-        ],
+        python(str(SCRIPT), "trials", str(out), str(n), "spread", f"checkpoint.async_mode={async_mode}"),
         env=ENV,
         capture_output=True,
         text=True,
@@ -80,17 +71,7 @@ def _torchrun(
     overrides: list[str], cwd: Path, env: dict, torchrun_args: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            *torchrun_args,
-            str(SCRIPT),
-            *RUN,
-            *overrides,
-        ],
+        [*torchrun_command(2, *torchrun_args), str(SCRIPT), *RUN, *overrides],
         cwd=cwd,
         env=env,
         capture_output=True,
