@@ -13,18 +13,16 @@ Llama and of Qwen 3 in its four-process one.
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from portatrain.trainer import Trainer
 from tests import shared_launch
-from tests.conftest import ROOT, TINY, compose_config
-from tests.helpers import fit, train_records
+from tests.conftest import TINY, compose_config
+from tests.helpers import fit, launch_env, python, torchrun, train_records
 
 pytestmark = pytest.mark.slow
 
@@ -45,17 +43,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return train_records(run_dir)
 
 
-def _env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    env.pop("WORLD_SIZE", None)
-    return env
-
-
-def _torchrun(torchrun_args: list[str], args: list[str], cwd: Path, timeout: float = 300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "portatrain", *args]
-    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
-
-
 def _failure(out: subprocess.CompletedProcess) -> str:
     return f"exit code {out.returncode}\n--- stdout\n{out.stdout[-4000:]}\n--- stderr\n{out.stderr[-4000:]}"
 
@@ -71,10 +58,11 @@ def _assert_matches(records: list[dict], reference: list[dict], steps: int = STE
 def test_fsdp2_two_processes_match_one_and_write_once(tmp_path: Path, reference: list[dict]) -> None:
     """Also the torchrun contract: one run directory shared by all ranks (named by the rendezvous id,
     no ``run_dir`` given), metrics and checkpoint written once, progress on rank 0 only."""
-    out = _torchrun(
-        ["--standalone", "--nproc-per-node=2", f"--log-dir={tmp_path / 'logs'}", "--redirects=3"],
+    out = torchrun(
+        2,
         [*COMMON, "data.batch_size=4", "trainer.progress=true"],
         cwd=tmp_path,
+        torchrun_args=[f"--log-dir={tmp_path / 'logs'}", "--redirects=3"],
     )
     assert out.returncode == 0, _failure(out)
     (run_dir,) = (tmp_path / "runs" / "debug").iterdir()  # both ranks resolved the same directory
@@ -168,11 +156,11 @@ def test_two_torchrun_agents_as_two_nodes(tmp_path: Path, reference: list[dict])
         f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         "--rdzv-id=twonodes",
     ]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "portatrain"]
+    cmd = python("-m", "torch.distributed.run", *torchrun_args, "--no-python", *python(), "-m", "portatrain")
     cmd += [*COMMON, "data.batch_size=4", "checkpoint.enabled=false"]
     agents = [
         subprocess.Popen(
-            cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            cmd, cwd=tmp_path, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         for _ in range(2)
     ]

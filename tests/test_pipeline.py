@@ -22,7 +22,6 @@ import json
 import random
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -50,6 +49,7 @@ from tests.helpers import (
     run_cli,
     sigterm_portatrain_torchrun,
     step_losses,
+    torchrun_command,
     train_records,
 )
 
@@ -264,10 +264,6 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict
     }
 
 
-def _torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-
-
 def _assert_same_steps(got: list[dict], want: list[dict], what: str) -> None:
     assert [r["step"] for r in got] == [r["step"] for r in want], what
     for g, w in zip(got, want, strict=True):
@@ -430,8 +426,7 @@ def _fault_worker(
     }
     return subprocess.run(
         [
-            *_torchrun(2),
-            *torchrun_args,
+            *torchrun_command(2, *torchrun_args),
             str(ROOT / "tests" / "fault_injection.py"),
             *fault_injection.RUN,
             *PP2,
