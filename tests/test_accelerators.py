@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -14,16 +14,26 @@ from portatrain.accelerators import ACCELERATORS, AUTO_ORDER, DeviceUnavailableE
 from portatrain.accelerators.cpu import default_threads
 from portatrain.accelerators.neuron import NeuronAccelerator
 from portatrain.accelerators.tpu import TPUAccelerator
+from tests.fork_server import IMPORT_TIME_ENV
+from tests.helpers import python
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def bare_env(**env: str) -> dict[str, str]:
+    """``ENV`` and none of this process's variables (an adapter reads the environment), but for those
+    that keep the process a fork of the fork server: its socket, and the variables read while a
+    library loads, in which a fork must agree with the server (``tests/fork_server.py``)."""
+    keep = ("PORTATRAIN_FORK_SERVER", "PORTATRAIN_TEST_NO_FORK", *IMPORT_TIME_ENV)
+    return {**{k: v for k, v in os.environ.items() if k.startswith(keep)}, "OMP_NUM_THREADS": "1", **env}
 
 
 def _run_with_fake_vendor(tmp_path: Path, module: str, body: str, code: str) -> subprocess.CompletedProcess:
     pkg = tmp_path / module
     pkg.mkdir()
     (pkg / "__init__.py").write_text(body)
-    env = {"PYTHONPATH": f"{tmp_path}:{ROOT / 'src'}", "PATH": "/usr/bin:/bin"}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    env = bare_env(PYTHONPATH=f"{tmp_path}:{ROOT / 'src'}", PATH="/usr/bin:/bin")
+    return subprocess.run(python("-c", code), capture_output=True, text=True, env=env, timeout=120)
 
 
 def test_auto_order_and_registry() -> None:

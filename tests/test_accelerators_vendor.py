@@ -14,13 +14,14 @@ import ast
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from portatrain.accelerators import DeviceUnavailableError, resolve_accelerator
 from portatrain.accelerators.neuron import NEURON_PIP_INDEX
+from tests.helpers import python
+from tests.test_accelerators import bare_env
 
 ROOT = Path(__file__).resolve().parents[1]
 STANDINS = ROOT / "tests" / "vendor_standins"
@@ -41,14 +42,13 @@ def init_world_of_one(backend):
 
 
 def _scenario(code: str, **env: str) -> dict:
-    full_env = {
-        "PYTHONPATH": f"{STANDINS}{os.pathsep}{ROOT / 'src'}",
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "OMP_NUM_THREADS": "1",
+    full_env = bare_env(
+        PYTHONPATH=f"{STANDINS}{os.pathsep}{ROOT / 'src'}",
+        PATH=os.environ.get("PATH", "/usr/bin:/bin"),
         **env,
-    }
+    )
     proc = subprocess.run(
-        [sys.executable, "-c", _PRELUDE + code + "\nprint('RESULT', json.dumps(out))"],
+        python("-c", _PRELUDE + code + "\nprint('RESULT', json.dumps(out))"),
         capture_output=True,
         text=True,
         env=full_env,

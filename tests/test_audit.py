@@ -4,7 +4,6 @@ project config, exit codes, the JSON and SARIF documents, the examples, and port
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 from portatrain.audit import RULES, AuditConfig, audit_paths, scan_source
 from portatrain.audit.cli import main
 from portatrain.audit.config import AuditConfigError, find_config, load_config
+from tests.helpers import launch_env, python
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "audit"
@@ -340,8 +340,8 @@ def test_portatrain_audit_command_is_wired() -> None:
 
 def test_module_entry_point_runs(tmp_path: Path) -> None:
     out = tmp_path / "audit.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    command = [sys.executable, "-m", "portatrain.audit", str(FIXTURES / "checkpoints.py"), "--format", "json"]
+    env = launch_env()
+    command = python("-m", "portatrain.audit", str(FIXTURES / "checkpoints.py"), "--format", "json")
     proc = subprocess.run([*command, "-o", str(out)], capture_output=True, text=True, env=env, cwd=ROOT)
     assert proc.returncode == 1, proc.stderr
     assert json.loads(out.read_text())["summary"]["error"] == 3

@@ -30,6 +30,7 @@ from portatrain.kernels import (
 )
 from portatrain.kernels.cli import list_kernels, main
 from portatrain.kernels.parity import CASES, rope_tables, run_case
+from tests.helpers import launch_env, python
 
 
 def test_every_operation_has_an_override_per_backend_and_parity_cases() -> None:
@@ -277,6 +278,7 @@ def test_importing_kernels_loads_no_jax_or_vendor_stack() -> None:
         "resolve([], 'cpu'); config_problems(['pallas_rmsnorm', 'nki_rope'], 'cpu')\n"
         "print('LOADED', [m for m in ('jax', 'torch_tpu', 'torch_neuronx', 'nki', 'torch_xla') if m in sys.modules])\n"
     )
+    # A new interpreter, not a fork of the fork server: what importing portatrain loads is the point.
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1]
     )
@@ -286,7 +288,8 @@ def test_importing_kernels_loads_no_jax_or_vendor_stack() -> None:
 
 def test_portatrain_kernels_subcommand_lists_overrides() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "portatrain", "kernels", "list"],
+        python("-m", "portatrain", "kernels", "list"),
+        env=launch_env(),
         capture_output=True,
         text=True,
         cwd=Path(__file__).parents[1],

@@ -36,7 +36,7 @@ import pytest
 
 from portatrain.metrics import TRACKERS_FILE, MetricsLogger, metrics_problems, mlflow_uri_problem
 from portatrain.metrics.trackers import _MLFLOW_HTTP_DEFAULTS, _Tracker
-from tests.helpers import ROOT, TINY, compose_config, fit, run_cli, train_records
+from tests.helpers import ROOT, TINY, compose_config, fit, launch_env, python, run_cli, train_records
 
 needs_wandb = pytest.mark.skipif(
     importlib.util.find_spec("wandb") is None,
@@ -152,7 +152,8 @@ def test_wandb_offline_run_continues_after_resume_with_config_redacted(
     assert all(b"WANDB_API_KEY=***" in p.read_bytes() for p in logs)
 
     out = subprocess.run(
-        [sys.executable, "-m", "wandb", "sync", "--dry-run", *map(str, (p.parent for p in logs))],
+        python("-m", "wandb", "sync", "--dry-run", *map(str, (p.parent for p in logs))),
+        env=launch_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -181,6 +182,8 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[st
     port = _free_port()
     uri = f"http://127.0.0.1:{port}"
     log = (root / "server.log").open("w")
+    # A new interpreter: mlflow's server imports no torch (a fork would save little), and it is
+    # stopped by its process group, which a fork's client is not part of (tests/fork_server.py).
     command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"]
     command += ["--artifacts-destination", str(root / "artifacts")]
@@ -374,6 +377,7 @@ def test_only_rank_zero_starts_trackers_and_import_portatrain_imports_none(tmp_p
         "import sys, portatrain, portatrain.trainer, portatrain.metrics, portatrain.cli\n"
         "print('LOADED', [m for m in ('wandb', 'mlflow') if m in sys.modules])\n"
     )
+    # A new interpreter, not a fork of the fork server: what importing portatrain loads is the point.
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "LOADED []" in out.stdout
