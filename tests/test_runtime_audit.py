@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from portatrain.config import RuntimeAuditConfig
 from portatrain.errors import ConfigError
 from portatrain.trainer import Trainer
 from portatrain.validate import validate
-from tests.helpers import ROOT, TINY, compose_config, fit, train_records
+from tests.helpers import ROOT, TINY, compose_config, fit, launch_env, torchrun_command, train_records
 from tests.test_sim import run_python
 
 AUDIT = ["audit.runtime=true", "checkpoint.enabled=false", "trainer.steps=6", "trainer.log_every=3"]
@@ -270,12 +269,13 @@ main(trainer_cls=NaNOnRank1)
 def test_nonfinite_on_one_rank_stops_every_rank_with_one_message(tmp_path: Path) -> None:
     script = tmp_path / "nan_on_rank_1.py"
     script.write_text(_NAN_ON_RANK_1)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
     args = [*TINY, "parallel.dp_shard=2", "audit.nonfinite=true", "checkpoint.enabled=false"]
     out = subprocess.run(
-        [*cmd, *args, f"run_dir={tmp_path / 'run'}"], env=env, capture_output=True, text=True, timeout=240
+        [*torchrun_command(2), str(script), *args, f"run_dir={tmp_path / 'run'}"],
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     errors = [line for line in out.stderr.splitlines() if "error: rank 1: audit.nonfinite: step 1" in line]
     assert out.returncode != 0 and len(errors) == 1, out.stderr[-3000:]
