@@ -3,6 +3,8 @@
 The end-to-end test trains a tiny compiled model in two fresh processes that share one cache
 directory: the first compiles (cache misses) and saves the portable artifacts, the second must find
 every graph on disk -- inductor's FX graph cache and the AOTAutograd cache report hits and no misses.
+Both are forks of the suite's fork server (``tests/fork_server.py``), which imported torch but never
+compiled: each starts with empty in-memory caches, as a new interpreter would, without its imports.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import pytest
 from portatrain.accelerators.cpu import CPUAccelerator
 from portatrain.accelerators.neuron import NeuronAccelerator
 from portatrain.compile import CompileCache
-from tests.helpers import ROOT, TINY, compose_config
+from tests.helpers import ROOT, TINY, compose_config, python
 
 # One process: train 2 compiled steps, print dynamo's cache counters as JSON on the last line.
 SCRIPT = """
@@ -38,7 +39,7 @@ print(json.dumps({
 def _train_in_fresh_process(run_dir: Path, overrides: list[str]) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(run_dir), *overrides],
+        python("-c", SCRIPT, str(run_dir), *overrides),
         cwd=ROOT,
         env=env,
         capture_output=True,
