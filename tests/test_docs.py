@@ -3,9 +3,8 @@
 The convention (docs/contributing.md, "Documentation"):
 
 * a ```bash fence is run with ``bash -e`` from a clone-like copy of the repository root (a fresh
-  temporary directory holding a copy of the files git tracks, whose ``src/`` is first on
-  ``PYTHONPATH``, so what a command writes -- ``data/``, ``runs/``, ``hf/`` -- never lands in the
-  checkout), on CPU, in the normal tier. The blocks of one
+  temporary directory holding a copy of the files git tracks, so what a command writes -- ``data/``,
+  ``runs/``, ``hf/`` -- never lands in the checkout), on CPU, in the normal tier. The blocks of one
   page run in order in one such directory, sharing its files (the tour: prepare, then train, then
   resume);
 * ``<!-- docs: slow -->`` on the line before the fence puts the block in the slow tier (more than
@@ -24,12 +23,33 @@ The convention (docs/contributing.md, "Documentation"):
   (times, throughput) but whose place and format do not; a line ``...`` stands for any lines.
 
 ``mkdocs build --strict`` checks the site: no broken link, no page missing from the nav.
+
+How the commands start (each new interpreter would spend ~6 CPU-s importing torch, Hydra and
+portatrain; the pages run about fifty of them). ``portatrain``, ``python`` and ``python3`` are shims,
+first on ``PATH``, that hand the command to ``tests/fork_client.py``: the process is a fork of the test
+process's fork server, which imported those libraries once (``tests/fork_server.py`` says what a fork
+keeps of a new interpreter: argv, ``sys.path``, cwd, environment, streams, exit status, signals).
+``portatrain`` runs the installed console script itself as the client's ``SCRIPT`` (the same file,
+``sys.argv[0]`` and ``sys.path[0]`` as the real command); ``python`` passes its arguments on, and the
+client starts a real interpreter for a form it does not serve. ``torchrun`` stays real (only slow
+blocks use it). Two things make the forks the process a user's command would be:
+
+* the code is the clone's own: the server imported the checkout's ``src/``, and the ``conf/`` and
+  ``recipes/`` beside it that the CLI reads, so the copy's ``src/`` goes on ``PYTHONPATH`` only when
+  those files differ from the copy's (:func:`same_code`); a server would refuse such a ``PYTHONPATH``
+  (another portatrain), and every command would then start a real interpreter, as before;
+* the blocks run with ``OMP_NUM_THREADS=1``, as every process this suite starts (the server imported
+  torch so, and refuses an environment whose import-time variables differ): one compute thread per
+  process on the suite's two workers over two cores. What the pages check -- messages, exit statuses,
+  losses within their tolerance -- does not depend on the thread count.
 """
 
 from __future__ import annotations
 
+import filecmp
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -191,6 +211,42 @@ _NORMAL_TIER_DONE: dict[str, Path] = {}
 there with its slow blocks only, instead of running every cheap block a second time."""
 
 
+CODE_DIRS = ("src", "conf", "recipes")
+"""What ``import portatrain`` runs and reads: the package, and the configs its CLI finds beside it."""
+
+
+def same_code(workdir: Path) -> bool:
+    """Whether the imported portatrain is the copy's: its checkout (``src/portatrain/../..``) holds
+    the same files, byte for byte, under :data:`CODE_DIRS` (no more ``.py`` files, none differing)."""
+    import portatrain
+
+    imported = Path(portatrain.__file__).resolve().parents[2]
+    for name in CODE_DIRS:
+        copied = {p.relative_to(workdir) for p in (workdir / name).rglob("*") if p.is_file()}
+        extra = {p.relative_to(imported) for p in (imported / name).rglob("*.py")}
+        if {p for p in copied if p.suffix == ".py"} != extra:
+            return False
+        if not all(filecmp.cmp(workdir / p, imported / p, shallow=False) for p in copied):
+            return False
+    return True
+
+
+def fork_shims(bin_dir: Path) -> Path:
+    """``bin_dir`` holding the ``portatrain``, ``python`` and ``python3`` shims (module docstring)."""
+    client = [sys.executable, "-S", str(ROOT / "tests" / "fork_client.py")]
+    scripts = {"python": client, "python3": client}
+    console = Path(sys.executable).parent / "portatrain"  # pip's script: `#!<python>`, then main()
+    shebang = console.read_bytes().partition(b"\n")[0][2:].strip().decode() if console.is_file() else ""
+    if shebang and os.path.realpath(shebang) == os.path.realpath(sys.executable):  # else: left real
+        scripts["portatrain"] = [*client, str(console)]
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name, command in scripts.items():
+        shim = bin_dir / name
+        shim.write_text(f'#!/bin/sh\nexec {" ".join(map(shlex.quote, command))} "$@"\n')
+        shim.chmod(0o755)
+    return bin_dir
+
+
 def run_page(page: str, tier: str, tmp_path: Path) -> None:
     blocks, problems = parse(ROOT / page)
     assert not problems, "\n".join(problems)
@@ -199,13 +255,14 @@ def run_page(page: str, tier: str, tmp_path: Path) -> None:
         tmp_path = _NORMAL_TIER_DONE[page]
     else:
         clone_like(tmp_path)
+    own_src = [] if same_code(tmp_path) else [str(tmp_path / "src")]
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(tmp_path / "src"), str(tmp_path), os.environ.get("PYTHONPATH", "")]
-        ),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([*own_src, str(tmp_path), os.environ.get("PYTHONPATH", "")]),
     }
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    shims = fork_shims(tmp_path.parent / f"{tmp_path.name}-bin")
+    env["PATH"] = os.pathsep.join([str(shims), str(Path(sys.executable).parent), env.get("PATH", "")])
     for block in blocks:
         if block.tier in ("skip", "setup") or (tier == "normal" and block.tier == "slow"):
             continue
@@ -273,6 +330,14 @@ def test_convention_checker_catches_what_it_should(tmp_path: Path) -> None:
     assert output_mismatch(expected, printed, rtol) is not None  # spacing is format
     assert output_mismatch(expected, "step 10 loss 4.5 tok_s 1,486", rtol) is not None
     assert output_mismatch("tok_s 9", "tok_s 1,486", "any") is None
+
+
+def test_commands_fork_only_when_the_copy_runs_the_imported_code(tmp_path: Path) -> None:
+    clone_like(tmp_path / "clone")
+    assert same_code(tmp_path / "clone")
+    recipe = next((tmp_path / "clone" / "recipes").glob("*.yaml"))
+    recipe.write_text(recipe.read_text() + "# edited in the clone\n")
+    assert not same_code(tmp_path / "clone")  # the copy's src/ then goes first on PYTHONPATH
 
 
 def test_mkdocs_site_builds_strictly(tmp_path: Path) -> None:
