@@ -15,12 +15,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from portatrain.accelerators.sim._build import compiler_missing_reason
+from tests.helpers import python, torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 STANDINS = ROOT / "tests" / "vendor_standins"
@@ -95,9 +95,7 @@ print("RESULT", json.dumps(out))
 
 def _adapter_run(kind: str, requested: int, **env: str) -> dict:
     code = _ADAPTER_RUN.replace("{kind}", kind).replace("{requested}", str(requested))
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=_env(**env), timeout=600
-    )
+    proc = subprocess.run(python("-c", code), capture_output=True, text=True, env=_env(**env), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
@@ -144,10 +142,7 @@ def test_two_workers_train_under_torchrun(tmp_path: Path, kind: str, env: dict[s
     """``torchrun --nproc_per_node 2 -m portatrain device=<kind>``: discovery, device index per
     worker, process groups on the vendor's backend name, FSDP2 and a few optimizer steps."""
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "portatrain", f"device={kind}", f"run_dir={run_dir}", *TRAIN,
-    ]  # fmt: skip
+    cmd = [*torchrun_command(2), "-m", "portatrain", f"device={kind}", f"run_dir={run_dir}", *TRAIN]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=_env(**env), timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     records = [
@@ -189,15 +184,7 @@ def test_device_index_under_torchrun(
 ) -> None:
     script = tmp_path / "worker.py"
     script.write_text(_WORKER.replace("{kind}", kind))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(script),
-    ]
+    cmd = [*torchrun_command(2), str(script)]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=_env(**env), timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     # Both workers write to one pipe: their lines can interleave, so find every record, not every line.

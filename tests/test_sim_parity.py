@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
+
+from tests.helpers import python
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = [
@@ -47,7 +48,7 @@ def _parity(tmp_path: Path, bug: bool) -> subprocess.CompletedProcess:
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     return subprocess.run(
-        [sys.executable, str(script), *ARGS, f"run_dir={tmp_path / 'run'}"],
+        python(str(script), *ARGS, f"run_dir={tmp_path / 'run'}"),
         capture_output=True,
         text=True,
         env=env,
