@@ -162,6 +162,9 @@ def _become(request: dict, fds: list[int]) -> None:
     try:
         if kind == "-m":
             sys.argv = [argv[1], *argv[2:]]  # run_module puts the module's file in argv[0]
+            # A preloaded module (torch.distributed.run) runs afresh as __main__, as in a new
+            # interpreter, without runpy's "found in sys.modules" warning.
+            sys.modules.pop(argv[1], None)
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         elif kind == "-c":
             sys.argv = ["-c", *argv[2:]]
