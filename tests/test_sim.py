@@ -1,9 +1,9 @@
 """The simulated accelerator (``device=sim``): device semantics, memory, counters, training parity.
 
 Installing the sim device renames torch's PrivateUse1 backend for the whole process, which cannot
-be undone, so every check runs in a fresh subprocess (a few checks per script: each start costs
-the torch import and the extension load). The first test in a fresh CI run also pays the C++
-build, about 30 s on two cores, cached afterwards.
+be undone, so every check runs in a fresh subprocess, a fork of the test process's fork server
+(``tests/fork_server.py``: torch is imported already; each start costs the extension load). The
+first test in a fresh CI run also pays the C++ build, about 47 CPU-s, cached afterwards.
 """
 
 from __future__ import annotations
@@ -11,25 +11,27 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import python
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_python(code: str, env: dict[str, str] | None = None, timeout: int = 600) -> str:
-    """Run ``code`` in a fresh interpreter; return stdout, failing the test with stderr on error."""
+    """Run ``code`` in a fresh process (a fork of the fork server: the sim settings are read when the
+    device is installed, not at import); return stdout, failing the test with stderr on error."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), **(env or {})}
     # A file, not -c: the counters' first-occurrence stacks quote source lines.
     with tempfile.NamedTemporaryFile("w", suffix=".py", prefix="sim_check_", delete=False) as script:
         script.write(textwrap.dedent(code))
     try:
         proc = subprocess.run(
-            [sys.executable, script.name], capture_output=True, text=True, env=full_env, timeout=timeout
+            python(script.name), capture_output=True, text=True, env=full_env, timeout=timeout
         )
     finally:
         os.unlink(script.name)
@@ -49,7 +51,9 @@ def test_import_portatrain_leaves_privateuse1_alone() -> None:
         assert "sim" not in portatrain.accelerators.AUTO_ORDER
         loaded = [m for m in sys.modules if m.startswith("portatrain.accelerators.sim.") and m != "portatrain.accelerators.sim.adapter"]
         print(loaded, torch._C._get_privateuse1_backend_name())
-        """
+        """,
+        # A new interpreter: a fork of the server would already hold what the server imported.
+        env={"PORTATRAIN_TEST_NO_FORK": "1"},
     )
     assert out.split() == ["[]", "privateuseone"]
 
@@ -252,7 +256,7 @@ SMALL = [
 def _train(
     device: str, run_dir: Path, *extra: str, env: dict[str, str] | None = None
 ) -> list[tuple[int, float, float]]:
-    cmd = [sys.executable, "-m", "portatrain", f"device={device}", *SMALL, f"run_dir={run_dir}", *extra]
+    cmd = [*python("-m", "portatrain"), f"device={device}", *SMALL, f"run_dir={run_dir}", *extra]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-6000:]
