@@ -3,7 +3,8 @@
 The stand-ins (``tests/vendor_standins``) reproduce, each citing its source, what the adapters
 depend on: TorchTPU's closed legacy ``torch.tpu.*`` API, one device bound per worker, the
 backend names each stack registers, Neuron's asynchronous allocator. Each scenario runs in a
-fresh process (a stand-in renames torch's PrivateUse1 backend, which cannot be undone) and
+process of its own (a stand-in renames torch's PrivateUse1 backend, which cannot be undone; a fork
+of the fork server, which imported torch and never touched PrivateUse1, starts as clean) and
 prints one JSON record that the tests below check. The adapters' device work on real tensors
 is covered on the simulated device (``device=sim`` impersonating ``tpu``/``neuron``).
 """
