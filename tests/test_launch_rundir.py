@@ -117,18 +117,6 @@ def test_single_process_is_a_no_op(tmp_path: Path) -> None:
     assert not (tmp_path / "never-created").exists()
 
 
-def _trainer_checks_the_run_dir() -> bool:
-    import inspect
-
-    from portatrain import trainer
-
-    return "check_shared_run_dir" in inspect.getsource(trainer)
-
-
-@pytest.mark.skipif(
-    not _trainer_checks_the_run_dir(),
-    reason="portatrain.trainer does not call portatrain.rundir.check_shared_run_dir yet (wiring pending)",
-)
 def test_portatrain_under_two_agents_without_shared_storage_stops_at_start_up(tmp_path: Path) -> None:
     """The real trainer: stops before building anything, instead of hanging in its first save."""
     pods = [tmp_path / "pod0", tmp_path / "pod1"]
