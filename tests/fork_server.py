@@ -154,7 +154,9 @@ def _become(request: dict, fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     kind = argv[0] if argv[0] in ("-m", "-c") else "script"
-    first = {"-m": os.getcwd(), "-c": ""}[kind] if kind != "script" else os.path.dirname(os.path.abspath(argv[0]))
+    first = (
+        {"-m": os.getcwd(), "-c": ""}[kind] if kind != "script" else os.path.dirname(os.path.abspath(argv[0]))
+    )
     sys.path[:] = [first, *_pythonpath(os.environ.get("PYTHONPATH", "")), *_SITE]
     random.seed()
     sys.modules["numpy"].random.seed()

@@ -22,7 +22,10 @@ PARENT = "import os, sys; print(os.getppid(), sys.argv[1:], repr(sys.path[0]), _
 def _run(*args: str, env: dict | None = None) -> tuple[bool, str]:
     """Whether the process was a fork (its parent is not this test process), and what it printed."""
     proc = subprocess.run(
-        python(*args), env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, capture_output=True, text=True
+        python(*args),
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stderr
     parent, rest = proc.stdout.split(" ", 1)

@@ -174,9 +174,7 @@ def test_submit_prints_job_id_run_dir_and_log_command_and_the_job_trains(referen
 def test_a_rejected_submission_is_one_error_with_the_schedulers_reason(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
-    out = run_cli(
-        ["submit", *JOB, *ONE_NODE, "launch.partition=nosuch"], cwd=tmp_path, env=_job_env(slurm)
-    )
+    out = run_cli(["submit", *JOB, *ONE_NODE, "launch.partition=nosuch"], cwd=tmp_path, env=_job_env(slurm))
     assert out.returncode == 2
     assert "the scheduler rejected the job" in out.stderr
     assert "Invalid partition name specified" in out.stderr
