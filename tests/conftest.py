@@ -10,13 +10,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from omegaconf import DictConfig
 
-from tests import shared_launch
+from tests import fork_server, shared_launch
 from tests.helpers import ROOT, TINY, compose_config, fit, run_cli
 
 __all__ = ["ROOT", "TINY", "compose_config", "run_cli", "tiny_cfg"]
@@ -50,6 +51,7 @@ def _start_fork_server() -> None:
             [sys.executable, str(ROOT / "tests" / "fork_server.py"), path],
             env={**os.environ, "OMP_NUM_THREADS": "1"},
             stdin=subprocess.PIPE,  # closed when this process ends: the server then ends too
+            start_new_session=True,  # a signal a test sends to its process group leaves it alone
             stdout=log,
             stderr=log,
         )
@@ -104,6 +106,31 @@ def _drop_log_handlers_on_closed_streams() -> Iterator[None]:
             stream = getattr(handler, "stream", None)
             if stream is not None and getattr(stream, "closed", False):
                 logger.removeHandler(handler)
+
+
+@pytest.fixture(autouse=True)
+def _keep_the_import_time_environment(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Put back the variables read at import (``tests/fork_server.py``'s list) that a test changed in
+    this process's environment and left so: every later process this worker starts inherits them, and
+    the fork server refuses each (a real interpreter, ~6 CPU-s more each), for the rest of the session.
+    The change is reported as a warning naming the test."""
+    before = _import_time_environment()
+    yield
+    after = _import_time_environment()
+    if after != before:
+        for key in after.keys() - before.keys():
+            del os.environ[key]
+        os.environ.update(before)
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        warnings.warn(f"{request.node.nodeid} left {', '.join(changed)} changed; put back", stacklevel=1)
+
+
+def _import_time_environment() -> dict[str, str]:
+    return {
+        key: value
+        for key, value in os.environ.items()
+        if key.startswith(fork_server.IMPORT_TIME_ENV) and not key.startswith(fork_server.READ_LATER)
+    }
 
 
 @pytest.fixture

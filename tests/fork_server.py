@@ -226,41 +226,54 @@ def serve(path: str) -> None:
         if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1):
             return  # the test process that started us has ended
         for conn in ready:
-            if conn in conns and not conn.recv(1):  # the client is gone: so is its process
+            if conn in conns and not _alive(conn):  # the client is gone: so is its process
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(conns[conn], signal.SIGKILL)
         if listener in ready:
-            conn, _ = listener.accept()
             try:
-                request, fds = _receive(conn)
-            except (OSError, ValueError):
-                conn.close()
-                continue
-            why = _refusal(request["argv"], request["env"])
-            print(
-                f"{'refused (' + why + ')' if why else 'fork'}: {' '.join(request['argv'])[:200]}",
-                file=sys.stderr,
-            )
-            if why is not None:
-                conn.sendall(json.dumps({"refused": why}).encode() + b"\n")
-                conn.close()
-                for fd in fds:
-                    os.close(fd)
-                continue
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                listener.close()
-                conn.close()
-                for other in conns:
-                    other.close()
-                _become(request, fds)
-            for fd in fds:
-                os.close(fd)
-            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-            children[pid] = conn
+                _accept(listener, [*conns], children)
+            except Exception:  # one client's failure (it died mid-request, ...) never ends the server
+                traceback.print_exc()
         _reap(children)
+
+
+def _alive(conn: socket.socket) -> bool:
+    try:
+        return bool(conn.recv(1))
+    except OSError:
+        return False
+
+
+def _accept(listener: socket.socket, others: list[socket.socket], children: dict[int, socket.socket]) -> None:
+    """Take one request: refuse it, or fork the process it asks for (``children``: pid -> its client)."""
+    conn, _ = listener.accept()
+    try:
+        request, fds = _receive(conn)
+    except (OSError, ValueError):
+        conn.close()
+        return
+    why = _refusal(request["argv"], request["env"])
+    print(f"{'refused (' + why + ')' if why else 'fork'}: {' '.join(request['argv'])[:200]}", file=sys.stderr)
+    if why is not None:
+        for fd in fds:
+            os.close(fd)
+        with contextlib.suppress(OSError), conn:
+            conn.sendall(json.dumps({"refused": why}).encode() + b"\n")
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        listener.close()
+        conn.close()
+        for other in others:
+            other.close()
+        _become(request, fds)
+    for fd in fds:
+        os.close(fd)
+    children[pid] = conn  # reaped, and killed if its client goes, whether or not this reply arrives
+    with contextlib.suppress(OSError):
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
 
 
 def _reap(children: dict[int, socket.socket]) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
@@ -32,9 +34,21 @@ def _run(*args: str, env: dict | None = None) -> tuple[bool, str]:
     return int(parent) != os.getpid(), rest.strip()
 
 
+def _server_state() -> str:
+    """Whether this process's server still runs, and the end of its log: why a run was not a fork."""
+    where = Path(os.environ["PORTATRAIN_FORK_SERVER"]).parent
+    pid = int((where / "pid").read_text())
+    try:
+        os.kill(pid, 0)
+        alive = "alive"
+    except OSError:
+        alive = "gone"
+    return f"server {pid} {alive}; its log ends:\n{(where / 'server.log').read_text()[-3000:]}"
+
+
 def test_c_and_u_are_served_as_python_runs_them() -> None:
-    assert _run("-c", PARENT, "a", "b") == (True, "['a', 'b'] '' __main__")
-    assert _run("-u", "-c", PARENT) == (True, "[] '' __main__")
+    assert _run("-c", PARENT, "a", "b") == (True, "['a', 'b'] '' __main__"), _server_state()
+    assert _run("-u", "-c", PARENT) == (True, "[] '' __main__"), _server_state()
 
 
 @pytest.mark.parametrize(
@@ -56,3 +70,17 @@ def test_exit_status_and_a_signal_death_are_the_processes() -> None:
     assert subprocess.run(python("-c", "raise SystemExit(3)"), capture_output=True).returncode == 3
     killed = subprocess.run(python("-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"))
     assert killed.returncode == -9
+
+
+def test_clients_killed_mid_request_leave_the_server_serving() -> None:
+    """A test that kills a client (a timeout, a SIGKILL) at any point of its request -- before the
+    server's reply, after it -- must not end the server: every later process would be a new
+    interpreter for the rest of the session."""
+    for delay in (0.0, 0.001, 0.005, 0.02, 0.1):
+        client = subprocess.Popen(
+            python("-c", "import time; time.sleep(60)"), env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
+        time.sleep(delay)
+        client.kill()
+        client.wait()
+    assert _run("-c", PARENT)[0], _server_state()
