@@ -1,8 +1,8 @@
 """Fault tolerance without restarts (``portatrain.fault_tolerance``, on torchft).
 
 The slow test runs two replica groups of one process each on CPU/gloo under ``portatrain lighthouse``;
-group 1 SIGKILLs itself at a random step, twice, and is started again each time: group 0 keeps
-stepping alone (no restart), the replacement heals from it (live recovery) and both end with
+group 1 SIGKILLs itself at a fixed step, twice, and is started again once group 0 has formed a
+quorum without it: group 0 keeps stepping alone (no restart), the replacement heals from it (live recovery) and both end with
 bitwise-identical weights. The fast tests check the config's validation and the data slices.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import re
 import subprocess
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -165,6 +165,7 @@ main(trainer_cls=Group)
 """
 
 STEPS = 180
+QUORUM = re.compile(r"quorum of (\d) replica group\(s\) at step (\d+)")
 STEP_SECONDS = "0.1"
 
 
@@ -211,17 +212,42 @@ def test_a_killed_replica_group_rejoins_while_the_other_trains_on(tmp_path: Path
             procs.append(proc)
             return proc
 
-        # Group 1 dies at a random step, is replaced, the replacement dies a random number of steps
-        # after it healed, and its replacement trains to the end.
-        rng = random.Random()
-        survivor, doomed = start(0), start(1, kill_after=rng.randint(3, 12))
+        # Group 0's output is read as it comes: a replacement starts only once group 0 has formed a
+        # quorum without the dead group (a fork starts in well under the lighthouse's 1 s heartbeat
+        # timeout; started at once, it rejoined before group 0 noticed, and no outage was seen).
+        survivor = start(0)
+        survivor_lines: list[str] = []
+        seen = threading.Condition()
+
+        def read_survivor() -> None:
+            for line in survivor.stdout:
+                with seen:
+                    survivor_lines.append(line)
+                    seen.notify_all()
+            with seen:
+                seen.notify_all()
+
+        reader = threading.Thread(target=read_survivor, daemon=True)
+        reader.start()
+
+        def outages_seen() -> int:
+            return sum(int(n) == 1 and int(s) > 0 for n, s in QUORUM.findall("".join(survivor_lines)))
+
+        # Group 1 dies after its 5th step, its replacement 4 steps after it healed, and the second
+        # replacement trains to the end.
+        doomed = start(1, kill_after=5)
         logs = []
-        for kill_after in (rng.randint(3, 10), None):
+        for outage, kill_after in enumerate((4, None), start=1):
             logs.append(doomed.communicate(timeout=120)[0])
             assert doomed.returncode == -9, logs[-1][-3000:]
+            with seen:
+                assert seen.wait_for(lambda: outages_seen() >= outage or not reader.is_alive(), 60)
+            assert outages_seen() >= outage, "".join(survivor_lines)[-3000:]
             doomed = start(1, kill_after)
         logs.append(doomed.communicate(timeout=180)[0])
-        survivor_log = survivor.communicate(timeout=60)[0]
+        survivor.wait(timeout=60)
+        reader.join(timeout=10)
+        survivor_log = "".join(survivor_lines)
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -230,10 +256,7 @@ def test_a_killed_replica_group_rejoins_while_the_other_trains_on(tmp_path: Path
     assert survivor.returncode == 0 and doomed.returncode == 0, survivor_log[-3000:] + logs[-1][-3000:]
 
     # Group 0 never restarted: it trained alone through each outage, its step advancing.
-    quorums = [
-        (int(n), int(s))
-        for n, s in re.findall(r"quorum of (\d) replica group\(s\) at step (\d+)", survivor_log)
-    ]
+    quorums = [(int(n), int(s)) for n, s in QUORUM.findall(survivor_log)]
     outages = [step for n, step in quorums if n == 1 and step > 0]  # (step 0: group 1 still starting)
     assert len(outages) >= 2, quorums
     stepped = [int(s) for s in re.findall(rf"step (\d+)/{STEPS}", survivor_log)]
