@@ -241,7 +241,7 @@ def test_a_killed_replica_group_rejoins_while_the_other_trains_on(tmp_path: Path
             logs.append(doomed.communicate(timeout=120)[0])
             assert doomed.returncode == -9, logs[-1][-3000:]
             with seen:
-                assert seen.wait_for(lambda: outages_seen() >= outage or not reader.is_alive(), 60)
+                assert seen.wait_for(lambda n=outage: outages_seen() >= n or not reader.is_alive(), 60)
             assert outages_seen() >= outage, "".join(survivor_lines)[-3000:]
             doomed = start(1, kill_after)
         logs.append(doomed.communicate(timeout=180)[0])
