@@ -6,7 +6,7 @@ logits do not swamp the blocks' activations. For each ``cp`` the script spawns `
 rank 0 reports
 
 * ``activations``: the peak bytes torch's CPU allocator holds during the forward (everything saved
-  for backward, plus the forward's transients; ``portatrain.models.memory.measured_peak_bytes``),
+  for backward, plus the forward's transients; ``portatrain.profiling.measured_peak_bytes``),
   against the cp=1 run;
 * ``step``: the best of ``--repeats`` forward+backward wall times, and the device-seconds per token
   against cp=1 (``cp * step / step(cp=1)``; 1.0 would be a perfect split, the excess is the
@@ -38,9 +38,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from portatrain.losses import chunked_loss_fn
 from portatrain.models.llama import LLAMA3
-from portatrain.models.memory import measured_peak_bytes
 from portatrain.parallel.context import ContextParallel, exchanged_bytes
 from portatrain.parallel.parallel_dims import ParallelDims
+from portatrain.profiling import measured_peak_bytes
 
 ARGS = replace(LLAMA3.flavors["debug"], dim=256, n_layers=2, n_heads=8, n_kv_heads=2, multiple_of=256)
 

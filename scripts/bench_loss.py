@@ -8,7 +8,7 @@ processes hits both alike. Reported:
 
 - **step time**: median of ``--steps`` measured ``train_step`` calls each (after ``--warmup``);
 - **peak memory of a step**: torch's CPU allocator, through the profiler's memory events
-  (``portatrain.models.memory.measured_peak_bytes``), for one step after the optimizer state
+  (``portatrain.profiling.measured_peak_bytes``), for one step after the optimizer state
   exists: the persistent state held before the step (parameters and AdamW moments, counted from
   the tensors) plus the step's peak above it (activations, logits, gradients).
 
@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_overhead import compose  # noqa: E402  (a sibling script, not a package)
 
-from portatrain.models.memory import measured_peak_bytes  # noqa: E402
+from portatrain.profiling import measured_peak_bytes  # noqa: E402
 from portatrain.trainer import Trainer  # noqa: E402
 
 OVERRIDES = [

@@ -2,7 +2,7 @@
 
 For each case, a Trainer (fp32, eager) is built exactly as ``portatrain`` builds it, takes one step
 (so AdamW's moments exist), and then one more step runs under torch's CPU-allocator accounting
-(``portatrain.models.memory.measured_peak_bytes``: the profiler's allocation and free events in
+(``portatrain.profiling.measured_peak_bytes``: the profiler's allocation and free events in
 time order). Measured peak = bytes held before the step (parameters, optimizer state, counted from
 the tensors) + the step's peak above that. The estimate is the model family's
 ``spec.estimate_memory`` with the arguments ``dry_run=true`` passes (``portatrain.plan``). FSDP2
@@ -36,8 +36,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_overhead import compose  # noqa: E402  (a sibling script, not a package)
 
-from portatrain.models.memory import measured_peak_bytes  # noqa: E402
 from portatrain.plan import estimate_for_config  # noqa: E402
+from portatrain.profiling import measured_peak_bytes  # noqa: E402
 
 MIB = 1024**2
 COMMON = [

@@ -19,7 +19,7 @@ The script trains one process (pp=1) itself, then launches itself under ``torchr
   stretch it. The figures then measure the schedule itself: which operation waits for which, and what the
   point-to-point communication adds. ``--stage-ms=0`` measures the model's own compute instead;
 * per pipeline rank, the peak bytes allocated during one step above what was held before it (activations
-  and gradients; ``portatrain.models.memory.measured_peak_bytes``), 1F1B against GPipe;
+  and gradients; ``portatrain.profiling.measured_peak_bytes``), 1F1B against GPipe;
 * the step time (forward and backward of one global batch, no optimizer step) of pp=2 against pp=1,
   with the model's own compute.
 
@@ -45,8 +45,8 @@ from omegaconf import open_dict
 from portatrain.cli import config_dir
 from portatrain.config import register_configs
 from portatrain.models import ModelSchema
-from portatrain.models.memory import measured_peak_bytes
 from portatrain.parallel.pipeline import bubble_fraction
+from portatrain.profiling import measured_peak_bytes
 
 STEPS = 10
 DEFAULTS = [

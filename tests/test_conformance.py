@@ -47,8 +47,8 @@ from portatrain.checkpoint import complete_checkpoints
 from portatrain.export import export_hf
 from portatrain.kernels import OPERATIONS, apply, reference, resolve
 from portatrain.models import SPECS, model_args
-from portatrain.models.memory import measured_peak_bytes
 from portatrain.plan import estimate_for_config
+from portatrain.profiling import measured_peak_bytes
 from portatrain.trainer import Trainer
 from tests import shared_launch
 from tests.helpers import (

@@ -8,12 +8,16 @@ plugin, which reads this directory layout). The step before
 the window, when there is one, is a profiler warm-up step (traced, then discarded) so that starting
 the tracer does not land in the first recorded step. Outside the window the profiler is idle;
 disabled, the object does nothing at all.
+
+:func:`measured_peak_bytes` measures a call's peak in torch's CPU allocator (what the memory estimate
+of ``portatrain.models.memory`` is checked against on CPU).
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -98,3 +102,27 @@ class StepProfiler:
         if self._profiler is not None:
             profiler, self._profiler = self._profiler, None
             profiler.stop()
+
+
+def measured_peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes held by torch's CPU allocator while ``fn()`` runs, above what was held before.
+
+    The measurement the estimate is checked against on CPU, where there is no device allocator to
+    ask: the profiler's memory events (every allocation and free through c10's CPU allocator,
+    inductor's buffers included) summed in time order. ``tracemalloc`` does not see torch, and RSS
+    includes the allocator's caching and the interpreter. CPU only, one thread of allocations
+    (autograd on CPU runs backward in the calling thread).
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    held = peak = 0
+    for event in events:
+        if event.device_type() == DeviceType.CPU:
+            held += event.nbytes()
+            peak = max(peak, held)
+    return peak

@@ -116,7 +116,6 @@ only the rank's ``n_experts / ep`` experts when gathered.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 from portatrain.parallel.activation_checkpoint import AC_MODES as _CHECKPOINTING
@@ -433,30 +432,6 @@ def qk_norm_bytes(args: TransformerShape, act_bytes: int) -> int:
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     stats = args.n_heads + args.n_kv_heads if args.qk_norm == "head" else 2
     return (q + kv) * act_bytes + stats * 4
-
-
-def measured_peak_bytes(fn: Callable[[], object]) -> int:
-    """Peak bytes held by torch's CPU allocator while ``fn()`` runs, above what was held before.
-
-    The measurement the estimate is checked against on CPU, where there is no device allocator to
-    ask: the profiler's memory events (every allocation and free through c10's CPU allocator,
-    inductor's buffers included) summed in time order. ``tracemalloc`` does not see torch, and RSS
-    includes the allocator's caching and the interpreter. CPU only, one thread of allocations
-    (autograd on CPU runs backward in the calling thread).
-    """
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    held = peak = 0
-    for event in events:
-        if event.device_type() == DeviceType.CPU:
-            held += event.nbytes()
-            peak = max(peak, held)
-    return peak
 
 
 def format_memory_report(estimate: dict[str, int], *, title: str | None = None) -> str:
