@@ -165,8 +165,8 @@ def test_lora_estimate_within_15_percent_of_the_measured_peak(tmp_path) -> None:
     """``tests/test_conformance.py``'s measurement (a step under torch's CPU-allocator accounting) for a
     LoRA run: the persistent state is exact and the total within 15% (measured 1.007 at this size;
     the full fine-tune's estimate, which a LoRA plan showed before, is 1.33 times the LoRA peak)."""
-    from portatrain.models.memory import measured_peak_bytes
     from portatrain.plan import estimate_for_config
+    from portatrain.profiling import measured_peak_bytes
     from tests.helpers import make_trainer
     from tests.test_conformance import MEMORY_RUN, TRAIN, _held_bytes
 
@@ -190,8 +190,8 @@ def test_tied_embeddings_gradient_sum_is_counted_and_measured(tmp_path) -> None:
     while autograd sums them at the end of backward. At an embedding-heavy shape (dim 256, 2 blocks,
     vocabulary 32,000: the matrix is 70% of the model) the estimate without them was 0.80 of the
     measured peak (Qwen3-0.6B: 0.885); with them 1.000 (both). LoRA freezes the matrix: no sum."""
-    from portatrain.models.memory import measured_peak_bytes
     from portatrain.plan import estimate_for_config
+    from portatrain.profiling import measured_peak_bytes
     from tests.helpers import compose_config, make_trainer
     from tests.test_conformance import _held_bytes
 
@@ -212,3 +212,47 @@ def test_tied_embeddings_gradient_sum_is_counted_and_measured(tmp_path) -> None:
     assert 0.95 <= ratio <= 1.05, f"estimate {estimate['total']:,} B vs measured {measured:,} B ({ratio:.3f})"
     lora = estimate_for_config(compose_config([*run, "device=cpu", "finetune.method=lora"]), world_size=1)
     assert "tied_grad_sum" not in lora
+
+
+def _mtp_step(tmp_path, depths: int, *extra: str) -> tuple[dict, int, dict, dict]:
+    """DeepSeek-V3 with ``depths`` multi-token-prediction depths at the conformance memory shape
+    (dim 256, vocabulary 8,192, 4 rows of 256 tokens, fp32): a step, then a second measured (module
+    docstring of ``tests/test_conformance.py``); its metrics, the measured peak, the estimate, and
+    the family's own metrics (``mtp_loss``)."""
+    from portatrain.plan import estimate_for_config
+    from portatrain.profiling import measured_peak_bytes
+    from tests.helpers import make_trainer
+    from tests.test_conformance import MEMORY_RUN, TRAIN, _held_bytes
+
+    run = [o for o in MEMORY_RUN if not o.startswith("model.n_kv_heads=")]  # latent attention: no GQA
+    overrides = ["model.name=deepseek_v3", *TRAIN, *run, f"model.mtp_layers={depths}", *extra]
+    trainer = make_trainer(overrides, tmp_path / f"mtp{depths}{'_'.join(extra)}")
+    try:
+        loader = iter(trainer.train_loader)
+        first = trainer.train_step([next(loader)])
+        family = trainer.model_hooks.metrics()
+        batch = next(loader)
+        measured = _held_bytes(trainer) + measured_peak_bytes(lambda: trainer.train_step([batch]))
+        estimate = estimate_for_config(trainer.cfg, world_size=1)
+    finally:
+        trainer.close()
+    return first, measured, estimate, family
+
+
+def test_mtp_depths_are_estimated_and_their_loss_is_chunked_with_the_main_one(tmp_path) -> None:
+    """Each depth of multi-token prediction is a block and a loss of its own. Measured at this shape:
+    the estimate without them was 0.61 of the peak with two depths (plain loss); with them 0.93.
+    Under ``trainer.loss=chunked`` the depths took cross-entropy on full logits (125 MB a depth here,
+    against 42 MB now): they take the chunked loss too, with the plain loss's values."""
+    plain, measured, estimate, plain_family = _mtp_step(tmp_path, 2)
+    ratio = estimate["total"] / measured
+    assert 0.85 <= ratio <= 1.15, f"estimate {estimate['total']:,} B vs measured {measured:,} B ({ratio:.3f})"
+
+    chunked_run = ("trainer.loss=chunked", "trainer.loss_chunk_size=256")
+    chunked, with_depths, _, chunked_family = _mtp_step(tmp_path, 2, *chunked_run)
+    assert chunked["loss"].item() == pytest.approx(plain["loss"].item(), abs=1e-5)
+    assert chunked["grad_norm"].item() == pytest.approx(plain["grad_norm"].item(), rel=1e-5)
+    assert chunked_family["mtp_loss"] == pytest.approx(plain_family["mtp_loss"], abs=1e-5)
+    _, without, _, _ = _mtp_step(tmp_path, 0, *chunked_run)
+    log_probs = 4 * 256 * 8192 * 4  # one depth's fp32 log-probabilities over its 1,024 positions
+    assert with_depths - without < 2 * 2 * log_probs, (with_depths, without)

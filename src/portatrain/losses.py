@@ -38,9 +38,6 @@ keeps the plain path and its logits.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -206,19 +203,30 @@ def chunked_cross_entropy(
     )
 
 
-def chunked_loss_fn(
-    labels: torch.Tensor, chunk_size: int
-) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The ``output_fn(hidden, weight)`` a model's forward calls in place of its output projection."""
-    return functools.partial(_call_chunked, labels=labels, chunk_size=chunk_size)
+class ChunkedLoss:
+    """The ``output_fn(hidden, weight)`` a model's forward calls in place of its output projection:
+    :func:`chunked_cross_entropy` against ``labels``. :meth:`with_labels` is the same loss against
+    other targets, for heads beside the main one (multi-token prediction's depths), so they never
+    build full logits either."""
+
+    def __init__(self, labels: torch.Tensor, chunk_size: int) -> None:
+        self.labels, self.chunk_size = labels, chunk_size
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return chunked_cross_entropy(hidden, weight, self.labels, chunk_size=self.chunk_size)
+
+    def with_labels(self, labels: torch.Tensor) -> ChunkedLoss:
+        return ChunkedLoss(labels, self.chunk_size)
 
 
-def _call_chunked(hidden: torch.Tensor, weight: torch.Tensor, *, labels: torch.Tensor, chunk_size: int):
-    return chunked_cross_entropy(hidden, weight, labels, chunk_size=chunk_size)
+def chunked_loss_fn(labels: torch.Tensor, chunk_size: int) -> ChunkedLoss:
+    """The ``output_fn(hidden, weight)`` of ``trainer.loss=chunked`` (:class:`ChunkedLoss`)."""
+    return ChunkedLoss(labels, chunk_size)
 
 
 __all__ = [
     "LOSSES",
+    "ChunkedLoss",
     "chunked_cross_entropy",
     "chunked_loss_fn",
     "cross_entropy_sum",

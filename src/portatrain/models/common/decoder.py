@@ -295,7 +295,7 @@ class Decoder(nn.Module):
             out = F.linear(h, head) if self.lm_head is None else self.lm_head(h)
         if getattr(self, "mtp", None) is not None and self.mtp.targets is not None:
             # After the main head (FSDP2 has gathered it); the runtime hook collects the loss sum.
-            self.mtp.loss_sum = self.mtp(h, self.embed_tokens, head, cos, sin, attn_mask)
+            self.mtp.loss_sum = self.mtp(h, self.embed_tokens, head, cos, sin, attn_mask, output_fn)
         return out
 
     def num_params(self, exclude_embedding: bool = False) -> int:

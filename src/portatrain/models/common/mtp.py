@@ -137,18 +137,23 @@ class MultiTokenPrediction(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn_mask: object,
+        output_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``mtp_loss_weight / D`` times the depths' summed cross-entropy; ``hidden`` is the main model's
-        normalized output ``[B, S, dim]``."""
+        normalized output ``[B, S, dim]``. The depths take the main head's loss: the chunked one
+        (never the full logits) when ``output_fn`` offers ``with_labels`` (``portatrain.losses.ChunkedLoss``),
+        else cross-entropy on logits."""
         tokens, labels = self.targets
+        head_loss = getattr(output_fn, "with_labels", None)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for k, layer in enumerate(self.layers.values()):
             hidden = layer(hidden, embed(tokens[..., k]), cos, sin, attn_mask)
-            logits = F.linear(layer.norm(hidden), head_weight)
             target = labels[..., k]
-            ce = F.cross_entropy(
-                logits.flatten(0, -2).float(), target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-            )
+            if head_loss is not None:
+                ce = head_loss(target)(layer.norm(hidden), head_weight)
+            else:
+                logits = F.linear(layer.norm(hidden), head_weight).flatten(0, -2).float()
+                ce = F.cross_entropy(logits, target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
             total = total + ce
             with torch.no_grad():
                 self.ce_sums[k] += ce.detach()
