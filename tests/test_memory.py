@@ -214,11 +214,11 @@ def test_tied_embeddings_gradient_sum_is_counted_and_measured(tmp_path) -> None:
     assert "tied_grad_sum" not in lora
 
 
-def _mtp_step(tmp_path, depths: int, *extra: str) -> tuple[dict, int, dict, dict]:
+def _mtp_step(tmp_path, depths: int, *extra: str) -> tuple[dict, int, dict, dict, bool]:
     """DeepSeek-V3 with ``depths`` multi-token-prediction depths at the conformance memory shape
     (dim 256, vocabulary 8,192, 4 rows of 256 tokens, fp32): a step, then a second measured (module
     docstring of ``tests/test_conformance.py``); its metrics, the measured peak, the estimate, and
-    the family's own metrics (``mtp_loss``)."""
+    the family's own metrics (``mtp_loss``), and whether every depth is activation-checkpointed."""
     from portatrain.plan import estimate_for_config
     from portatrain.profiling import measured_peak_bytes
     from tests.helpers import make_trainer
@@ -234,25 +234,33 @@ def _mtp_step(tmp_path, depths: int, *extra: str) -> tuple[dict, int, dict, dict
         batch = next(loader)
         measured = _held_bytes(trainer) + measured_peak_bytes(lambda: trainer.train_step([batch]))
         estimate = estimate_for_config(trainer.cfg, world_size=1)
+        layers = trainer.model.mtp.layers.values() if depths else []
+        checkpointed = all(hasattr(layer, "_checkpoint_wrapped_module") for layer in layers)
     finally:
         trainer.close()
-    return first, measured, estimate, family
+    return first, measured, estimate, family, checkpointed
 
 
-def test_mtp_depths_are_estimated_and_their_loss_is_chunked_with_the_main_one(tmp_path) -> None:
+def test_mtp_depths_are_estimated_checkpointed_and_chunked_like_the_main_model(tmp_path) -> None:
     """Each depth of multi-token prediction is a block and a loss of its own. Measured at this shape:
     the estimate without them was 0.61 of the peak with two depths (plain loss); with them 0.93.
     Under ``trainer.loss=chunked`` the depths took cross-entropy on full logits (125 MB a depth here,
-    against 42 MB now): they take the chunked loss too, with the plain loss's values."""
-    plain, measured, estimate, plain_family = _mtp_step(tmp_path, 2)
+    against 42 MB now): they take the chunked loss too, with the plain loss's values. Full activation
+    checkpointing wraps the depths as the main blocks (the peak 297 -> 249 MB; estimate 1.05)."""
+    plain, measured, estimate, plain_family, checkpointed = _mtp_step(tmp_path, 2)
     ratio = estimate["total"] / measured
     assert 0.85 <= ratio <= 1.15, f"estimate {estimate['total']:,} B vs measured {measured:,} B ({ratio:.3f})"
+    assert not checkpointed
+    _, measured, estimate, _, checkpointed = _mtp_step(tmp_path, 2, "parallel.activation_checkpointing=full")
+    ratio = estimate["total"] / measured
+    assert 0.85 <= ratio <= 1.15, f"estimate {estimate['total']:,} B vs measured {measured:,} B ({ratio:.3f})"
+    assert checkpointed
 
     chunked_run = ("trainer.loss=chunked", "trainer.loss_chunk_size=256")
-    chunked, with_depths, _, chunked_family = _mtp_step(tmp_path, 2, *chunked_run)
+    chunked, with_depths, _, chunked_family, _ = _mtp_step(tmp_path, 2, *chunked_run)
     assert chunked["loss"].item() == pytest.approx(plain["loss"].item(), abs=1e-5)
     assert chunked["grad_norm"].item() == pytest.approx(plain["grad_norm"].item(), rel=1e-5)
     assert chunked_family["mtp_loss"] == pytest.approx(plain_family["mtp_loss"], abs=1e-5)
-    _, without, _, _ = _mtp_step(tmp_path, 0, *chunked_run)
+    _, without, _, _, _ = _mtp_step(tmp_path, 0, *chunked_run)
     log_probs = 4 * 256 * 8192 * 4  # one depth's fp32 log-probabilities over its 1,024 positions
     assert with_depths - without < 2 * 2 * log_probs, (with_depths, without)

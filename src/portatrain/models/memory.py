@@ -97,8 +97,8 @@ After the last block, with the plain loss: final-norm input and output (``2h``),
 in the activation dtype, fp32 log-probabilities for the loss and, at the start of backward, the
 fp32 gradient of the logits (``2V``, 4 bytes). With ``trainer.loss=chunked`` (``loss_chunk_size``):
 norm input/output and the hidden states' gradient (``3h``) per token, plus one chunk of fp32 logits.
-Multi-token prediction's depths (``mtp_layers``) are blocks that are never checkpointed, each with its
-inputs and final norm (``5h``) and its loss: fp32 log-probabilities (``V``), or with the chunked loss
+Multi-token prediction's depths (``mtp_layers``) are blocks checkpointed as the main ones, each with
+its inputs and final norm (``5h``) and its loss: fp32 log-probabilities (``V``), or with the chunked loss
 a hidden-states gradient (``h``) and an fp32 gradient of the output matrix.
 
 Tensor parallelism is assumed to come with sequence parallelism and a vocabulary-parallel loss
@@ -337,32 +337,31 @@ def _block_activations(
             saved += _ceil_div(a * (seq_len + 1) * act_bytes, 1 if attn_mask else batch_size)
         return saved
 
-    # The main blocks, then multi-token prediction's (never checkpointed: ``parallelize`` wraps the
-    # main blocks only), each with its depth's inputs: the embedding, the two normalized halves
-    # concatenated, the depth's final norm's input and output (``5h``) and two norm statistics.
-    blocks = args.n_layers + getattr(args, "mtp_layers", 0)
+    # The main blocks, then multi-token prediction's depths (checkpointed as the main blocks), each
+    # with its inputs: the embedding, the two normalized halves concatenated, its final norm's input
+    # and output (``5h``) and two norm statistics; its checkpoint keeps two inputs (``h`` more).
+    depths = getattr(args, "mtp_layers", 0)
+    blocks = args.n_layers + depths
     attention = [attention_bytes(layer) for layer in range(blocks)]
     attn_matmuls = q + h + 2 * kv  # q, o, k, v projections' outputs (selective checkpointing)
     if hasattr(args, "kv_lora_rank"):  # latent attention
         elements, fp32, attn_matmuls = latent_attention_saved(args)
         attention = [(4 * h + elements) * act_bytes + fp32 * 4] * blocks
         q = args.n_heads * args.v_head_dim  # the attention output kept by selective checkpointing
-    all_mlps = [mlp_saved(args, layer, capacity_factor) for layer in range(blocks)]
-    all_layers = [
-        att + saved * act_bytes + fp32 * 4 for att, (saved, fp32, _) in zip(attention, all_mlps, strict=True)
+    mlps = [mlp_saved(args, layer, capacity_factor) for layer in range(blocks)]
+    per_layer = [
+        att + saved * act_bytes + fp32 * 4 for att, (saved, fp32, _) in zip(attention, mlps, strict=True)
     ]
-    per_layer, mlps = all_layers[: args.n_layers], all_mlps[: args.n_layers]
-    depths = sum(all_layers[args.n_layers :]) + (blocks - args.n_layers) * (5 * h * act_bytes + 2 * 4)
     # Per token: what the blocks keep until backward, and what one block's recomputation holds
     # meanwhile (checkpointing only; it happens after the output head's buffers are freed).
     recompute = max(per_layer)
     if activation_checkpointing == "none":
         per_token_blocks, recompute = sum(per_layer), 0
     elif activation_checkpointing == "full":
-        per_token_blocks = args.n_layers * h * act_bytes
+        per_token_blocks = (blocks + depths) * h * act_bytes
     else:  # selective: half of the matmul outputs (q, o, k, v and the MLP's)
         per_token_blocks = sum((h + q + (attn_matmuls + mm) // 2) * act_bytes + a * 4 for _, _, mm in mlps)
-    return per_token_blocks + depths, recompute
+    return per_token_blocks + depths * (5 * h * act_bytes + 2 * 4), recompute
 
 
 def _head_activations(

@@ -96,6 +96,8 @@ def parallelize_decoder(
     if adapt is not None:
         adapt(model)
     apply_activation_checkpointing(model.layers, activation_checkpointing)
+    if getattr(model, "mtp", None) is not None:  # multi-token prediction's depths: blocks too
+        apply_activation_checkpointing(model.mtp.layers, activation_checkpointing)
     if compile_block is not None:
         for name, block in list(model.layers.named_children()):
             if parallel_dims.ep_enabled and moe_layers(block):
