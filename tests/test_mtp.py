@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from portatrain.losses import ChunkedLoss, chunked_loss_fn
 from portatrain.models import model_args
 from portatrain.models.deepseek_v3 import DEEPSEEK_V3
 from portatrain.models.deepseek_v3 import hf as ds3_hf
@@ -91,6 +92,27 @@ def test_mtp_loss_in_bf16_is_the_fp32_loss_within_bf16_rounding() -> None:
         losses.append(extra.sum.item())
     assert losses[1] == pytest.approx(losses[0], rel=1e-3)
     assert losses[1] != losses[0]  # the matmuls did run in bf16
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_depths_take_the_chunked_loss_of_the_main_head(dtype) -> None:
+    """With ``trainer.loss=chunked``'s ``output_fn`` the depths' cross-entropy is chunked too (no full
+    logits), with the plain path's value: 1e-5 in fp32; in bf16 both project through the same bf16
+    matmul and differ in the fp32 summation order only (measured below 1e-6; bound 1e-4)."""
+    model = _model(depth=2)
+    hooks = DEEPSEEK_V3.runtime(model, RuntimeOptions("dropless", 1.25, 1.0))
+    ids = torch.randint(0, 40, (2, 13), generator=torch.Generator().manual_seed(0))
+    batch = hooks.prepare_batch({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
+    sums, calls = [], []
+    with_labels = ChunkedLoss.with_labels
+    for output_fn in (None, chunked_loss_fn(batch["labels"], chunk_size=5)):
+        autocast = torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None)
+        with autocast, hooks.extra_loss(batch) as extra, pytest.MonkeyPatch.context() as patch:
+            patch.setattr(ChunkedLoss, "with_labels", lambda self, y: calls.append(y) or with_labels(self, y))
+            model(batch["input_ids"], output_fn=output_fn)
+        sums.append(extra.sum.item())
+    assert len(calls) == 2  # each depth's loss was the chunked one, against its own targets
+    assert sums[1] == pytest.approx(sums[0], rel=1e-5 if dtype is None else 1e-4)
 
 
 def test_the_counts_include_the_depths() -> None:
@@ -283,3 +305,18 @@ def test_a_resume_adds_or_drops_the_depths(tmp_path: Path) -> None:
     assert [r["step"] for r in dropped] == [4] and "mtp_loss" not in dropped[0]
     for r in [*added, *dropped]:
         assert r["loss"] == pytest.approx(want[r["step"]], abs=1e-6), (r, want)
+
+
+def test_a_save_with_checkpointed_depths_resumes_without_checkpointing(tmp_path: Path) -> None:
+    """Activation checkpointing wraps the depths as the main blocks; the checkpoint's names stay the
+    unwrapped ones, so a run saved under ``full`` resumes without it with the uninterrupted losses."""
+    run = [*MTP_RUN[:-2], "trainer.steps=4", "trainer.eval_every=0", "checkpoint.every=2"]
+    fit([*run, "parallel.activation_checkpointing=full"], tmp_path / "full")
+    saved = tmp_path / "full" / "checkpoints" / "step_0000002"
+    fit([*run, f"checkpoint.resume={saved}"], tmp_path / "resumed")
+    want = {r["step"]: r for r in train_records(tmp_path / "full")}
+    got = train_records(tmp_path / "resumed")
+    assert [r["step"] for r in got] == [3, 4]
+    for r in got:
+        assert r["loss"] == pytest.approx(want[r["step"]]["loss"], abs=1e-6), (r, want[r["step"]])
+        assert r["mtp_loss"] == pytest.approx(want[r["step"]]["mtp_loss"], abs=1e-6)
